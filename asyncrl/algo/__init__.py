@@ -1,0 +1,1 @@
+"""Pure-torch RL algorithms: advantages, rollout importance sampling, losses, KL."""

@@ -1,0 +1,325 @@
+"""Advantage estimators (pure torch), keyed by verl's ``algorithm.adv_estimator`` names.
+
+Outcome estimators work on one score per sequence. Groups (the n responses to one prompt) are
+given either by ``group_ids`` (one id per sequence: ints, strings, any hashable; or an int n
+meaning consecutive groups of n) or, with ``group_ids=None``, by the shape ``[n_groups, n]`` of
+the scores. A group of one never yields NaN: as verl, its baseline is 0 (and its std 1), so the
+advantage is the raw score.
+
+Token-level estimators (REINFORCE++, GAE) take [B, T] token rewards and the response mask.
+Every registered estimator has the signature
+``fn(token_level_rewards, response_mask, params, group_ids=None, values=None)
+-> (advantages [B, T], returns [B, T])``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.algo.agg import masked_whiten
+
+GroupIds = torch.Tensor | np.ndarray | Sequence[Hashable] | int
+
+
+@dataclass(frozen=True)
+class AdvantageParams:
+    gamma: float = 1.0
+    lam: float = 1.0
+    epsilon: float = 1e-6  # GRPO: std + epsilon in the denominator
+    norm_adv_by_std_in_grpo: bool = True  # False = Dr.GRPO
+    whiten_gae: bool = True  # verl whitens GAE advantages over the batch
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def _group_inverse(group_ids: GroupIds, batch: int, device: torch.device) -> torch.Tensor:
+    """Map each sequence to a dense group index in [0, n_groups)."""
+    if isinstance(group_ids, int) and not isinstance(group_ids, bool):
+        if group_ids <= 0 or batch % group_ids:
+            raise ValueError(f"group size {group_ids} does not divide batch size {batch}")
+        return torch.arange(batch, device=device) // group_ids
+    if isinstance(group_ids, torch.Tensor) and not torch.is_floating_point(group_ids):
+        ids = group_ids.to(device).reshape(-1)
+    elif isinstance(group_ids, np.ndarray) and group_ids.dtype.kind in "iub":
+        ids = torch.as_tensor(group_ids, device=device).reshape(-1)
+    else:
+        ids = None
+    if ids is not None:
+        if ids.numel() != batch:
+            raise ValueError(f"{ids.numel()} group ids for {batch} sequences")
+        return torch.unique(ids, return_inverse=True)[1]
+    if isinstance(group_ids, torch.Tensor | np.ndarray):  # float or object ids (uid strings)
+        ids_list = group_ids.reshape(-1).tolist()
+    else:
+        ids_list = list(group_ids)
+    if len(ids_list) != batch:
+        raise ValueError(f"{len(ids_list)} group ids for {batch} sequences")
+    dense: dict[Hashable, int] = {}
+    inverse = [dense.setdefault(g, len(dense)) for g in ids_list]
+    return torch.tensor(inverse, dtype=torch.long, device=device)
+
+
+def _flatten(scores: torch.Tensor, group_ids: GroupIds | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat [B] scores and their group index; the caller reshapes back to ``scores.shape``."""
+    if group_ids is None:
+        if scores.dim() != 2:
+            raise ValueError(
+                f"scores of shape {tuple(scores.shape)} need group_ids, or shape [n_groups, n]"
+            )
+        n_groups, n = scores.shape
+        inverse = torch.arange(n_groups, device=scores.device).repeat_interleave(n)
+        return scores.reshape(-1), inverse
+    if scores.dim() != 1:
+        raise ValueError(f"scores with group_ids must be 1-D, got shape {tuple(scores.shape)}")
+    return scores, _group_inverse(group_ids, scores.shape[0], scores.device)
+
+
+def group_stats(
+    flat: torch.Tensor, inverse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence (count, mean, unbiased std) of its group; singletons get mean 0, std 1."""
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    zeros = torch.zeros(n_groups, dtype=flat.dtype, device=flat.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(flat))
+    mean = zeros.index_add(0, inverse, flat) / count.clamp(min=1)
+    sq = zeros.index_add(0, inverse, (flat - mean[inverse]) ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    single = count <= 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return count[inverse], mean[inverse], std[inverse]
+
+
+# ---------------------------------------------------------------- outcome (per-sequence)
+
+
+@torch.no_grad()
+def grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: GroupIds | None = None,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+) -> torch.Tensor:
+    """GRPO: ``(r - mean_g) / (std_g + eps)``; Dr.GRPO (``norm_by_std=False``): ``r - mean_g``."""
+    flat, inverse = _flatten(scores, group_ids)
+    _, mean, std = group_stats(flat, inverse)
+    adv = flat - mean
+    if norm_by_std:
+        adv = adv / (std + epsilon)
+    return adv.reshape(scores.shape)
+
+
+@torch.no_grad()
+def rloo_advantages(scores: torch.Tensor, group_ids: GroupIds | None = None) -> torch.Tensor:
+    """RLOO: ``r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean_g)``; a singleton keeps ``r``."""
+    flat, inverse = _flatten(scores, group_ids)
+    count, mean, _ = group_stats(flat, inverse)
+    scale = count / (count - 1).clamp(min=1)
+    adv = torch.where(count > 1, scale * (flat - mean), flat)
+    return adv.reshape(scores.shape)
+
+
+@torch.no_grad()
+def group_mean_baseline(scores: torch.Tensor, group_ids: GroupIds | None = None) -> torch.Tensor:
+    """``r - mean_g`` (REINFORCE++-baseline's first step); a singleton keeps ``r``."""
+    return grpo_advantages(scores, group_ids, norm_by_std=False)
+
+
+# ---------------------------------------------------------------- token level
+
+
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] token rewards holding each sequence's score on its last valid token."""
+    mask = response_mask.to(torch.long)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    out = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    rows = torch.nonzero(last >= 0, as_tuple=True)[0]
+    out[rows, last[rows]] = scores[rows]
+    return out
+
+
+def broadcast_to_tokens(seq_values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, T], zero outside the response mask."""
+    return seq_values.unsqueeze(-1) * response_mask.to(seq_values.dtype)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go (reset at masked tokens), whitened over the batch."""
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    mask = response_mask.to(token_level_rewards.dtype)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]  # verl: reset after EOS
+    advantages = masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: subtract the group mean score, then whiten over the batch."""
+    scores = group_mean_baseline(token_level_rewards.sum(dim=-1), _require(group_ids, "rf++b"))
+    mask = response_mask.to(token_level_rewards.dtype)
+    advantages = masked_whiten(broadcast_to_tokens(scores, mask), mask) * mask
+    return advantages, advantages
+
+
+@torch.no_grad()
+def gae_advantages(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (verl): ``A_t = delta_t + gamma lam A_{t+1}``, ``delta_t = r_t + gamma V_{t+1} - V_t``.
+
+    Masked tokens (e.g. environment observations mid-trajectory) are skipped: the recursion
+    carries the next valid token's value and advantage through them. ``returns = A + V`` is taken
+    before whitening; both outputs are zero outside the mask.
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    next_value = torch.zeros_like(token_level_rewards[:, 0])
+    last_gae = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(token_level_rewards)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+        last_gae = gae_t * mask[:, t] + (1 - mask[:, t]) * last_gae
+        advantages[:, t] = last_gae
+    returns = (advantages + values) * mask
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages * mask, returns
+
+
+# ---------------------------------------------------------------- registry
+
+
+def _require(group_ids: GroupIds | None, name: str) -> GroupIds:
+    if group_ids is None:
+        raise ValueError(f"advantage estimator {name!r} needs group_ids (one id per sequence)")
+    return group_ids
+
+
+def _est_grpo(rewards, mask, params, group_ids=None, values=None, norm_by_std=None):
+    norm = params.norm_adv_by_std_in_grpo if norm_by_std is None else norm_by_std
+    scores = rewards.sum(dim=-1)
+    adv = grpo_advantages(scores, _require(group_ids, "grpo"), params.epsilon, norm)
+    adv = broadcast_to_tokens(adv, mask)
+    return adv, adv
+
+
+def _est_drgrpo(rewards, mask, params, group_ids=None, values=None):
+    return _est_grpo(rewards, mask, params, group_ids, values, norm_by_std=False)
+
+
+def _est_rloo(rewards, mask, params, group_ids=None, values=None):
+    adv = rloo_advantages(rewards.sum(dim=-1), _require(group_ids, "rloo"))
+    adv = broadcast_to_tokens(adv, mask)
+    return adv, adv
+
+
+def _est_rfpp(rewards, mask, params, group_ids=None, values=None):
+    return reinforce_pp_advantages(rewards, mask, params.gamma)
+
+
+def _est_rfpp_baseline(rewards, mask, params, group_ids=None, values=None):
+    return reinforce_pp_baseline_advantages(rewards, mask, group_ids)
+
+
+def _est_gae(rewards, mask, params, group_ids=None, values=None):
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values")
+    return gae_advantages(rewards, values, mask, params.gamma, params.lam, params.whiten_gae)
+
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {
+    "grpo": _est_grpo,
+    "drgrpo": _est_drgrpo,
+    "rloo": _est_rloo,
+    "reinforce_plus_plus": _est_rfpp,
+    "reinforce_plus_plus_baseline": _est_rfpp_baseline,
+    "gae": _est_gae,
+}
+
+
+def get_adv_estimator(name: str) -> AdvantageFn:
+    try:
+        return ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown adv_estimator {name!r}; valid: {', '.join(sorted(ADV_ESTIMATORS))}"
+        ) from None
+
+
+def compute_advantages(
+    adv_estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: AdvantageParams | None = None,
+    group_ids: GroupIds | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch on ``adv_estimator``; returns [B, T] (advantages, returns)."""
+    fn = get_adv_estimator(adv_estimator)
+    return fn(token_level_rewards, response_mask, params or AdvantageParams(), group_ids, values)
+
+
+# ---------------------------------------------------------------- DAPO
+
+
+def filter_zero_variance_groups(
+    rewards_by_group: torch.Tensor | Sequence[Sequence[float]], atol: float = 0.0
+) -> list[int]:
+    """DAPO dynamic sampling: indices of the groups whose rewards are not all identical.
+
+    ``rewards_by_group`` is [n_groups, n] or a ragged list of lists. A group of one (or none)
+    has zero variance and is dropped: it carries no group-relative signal.
+    """
+    kept = []
+    for i, group in enumerate(rewards_by_group):
+        values = torch.as_tensor(group, dtype=torch.float64).reshape(-1)
+        if values.numel() > 1 and float(values.max() - values.min()) > atol:
+            kept.append(i)
+    return kept
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor | Sequence[int],
+    max_len: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment, added to the reward.
+
+    0 for ``len <= max_len - buffer_len``, then linear down to ``-penalty_factor`` at ``max_len``
+    (and held there beyond it). Returns float32 [B].
+    """
+    if buffer_len <= 0 or buffer_len > max_len:
+        raise ValueError(
+            f"overlong buffer_len must be in (0, max_len={max_len}], got {buffer_len} "
+            "(disable the overlong penalty instead of a zero buffer)"
+        )
+    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
+    exceed = lengths - (max_len - buffer_len)
+    penalty = -torch.clamp(exceed / buffer_len, min=0.0, max=1.0) * penalty_factor
+    return penalty.to(torch.float32)

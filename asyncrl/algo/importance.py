@@ -1,0 +1,252 @@
+"""Rollout importance sampling (IS): correct for the gap between the policy that sampled a
+trajectory (the rollout engine: older weights, other kernels) and the training policy.
+
+The seed design (verl's Rollout IS PR), with `lr = old_log_prob - rollout_log_prob`:
+
+- level `token`: w_t = exp(lr_t); `sequence`: w = exp(Σ_t lr_t); `geometric`: w = exp(mean_t lr_t),
+  the last two broadcast over the sequence. Every log-weight is clamped to ±SAFETY_LOG_BOUND
+  before `exp`, so weights are finite whatever the inputs.
+- mode `truncate`: w = min(w, upper); `clip`: w = 0 outside [lower, upper]; lower = 1/upper
+  unless given.
+- veto: a sequence holding any valid token with lr_t < log(veto_threshold) (the true, unclamped
+  per-token ratio) gets weight 0 everywhere; applied after truncate/clip.
+- then w = 0 wherever response_mask is 0. Weights are detached; the loss multiplies them in.
+- threshold None disables everything: (None, {}). `apply_rollout_is(rollout_is=False)` is the
+  metrics-only mode: full metrics, no weights.
+
+Metrics (python floats, prefix `mismatch/`, finite for finite input; conventions for empty
+masks in `mismatch_metrics`):
+- rollout_is_{mean,std,p25,p50,p75,p95,p99,max,min}: the bounded weights *before*
+  truncate/clip/veto, over valid tokens (a sequence weight counts once per valid token), so
+  they show the mismatch the mode has to absorb.
+- rollout_is_eff_sample_size: 1 / mean(w̃²), w̃ = w_c / mean(w_c), w_c = clamp(w, lower, upper);
+  a fraction in (0, 1], 1 meaning uniform weights.
+- rollout_is_ratio_fraction_{high,low}: valid tokens whose true weight is above upper / below
+  lower (computed in log space).
+- rollout_is_truncated_fraction: valid tokens capped at upper by truncate (0.0 in clip mode);
+  rollout_is_clipped_fraction: valid tokens zeroed by clip (0.0 in truncate mode).
+- rollout_is_veto_fraction: non-empty sequences vetoed; rollout_is_catastrophic_token_fraction:
+  valid tokens below the veto threshold (both 0.0 when the veto is off).
+- rollout_is_seq_{mean,std,max,min,max_deviation,fraction_high,fraction_low}: the per-sequence
+  mean weight over non-empty sequences, at every level.
+- mismatch_{kl,k3_kl,training_ppl,training_log_ppl,rollout_ppl,rollout_log_ppl,ppl_ratio,
+  log_ppl_diff,log_ppl_abs_diff,log_ppl_diff_max,log_ppl_diff_min}: see `mismatch_metrics`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from asyncrl.algo import mismatch_metrics as mm
+
+SAFETY_LOG_BOUND = 20.0  # exp(20) ≈ 4.85e8: the largest weight ever produced
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "clip")
+OLD_LOG_PROB_MODES = ("bypass", "decoupled")
+METRIC_PREFIX = "mismatch/"
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    """Return `value` if it is one of `allowed`, else raise a one-line ValueError."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def positive_float(name: str, value: object) -> float:
+    """`value` as a finite float > 0, else a one-line ValueError."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number; got {value!r}") from None
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
+    return number
+
+
+def check_same_shape(**tensors: torch.Tensor) -> None:
+    """All tensors [batch, seq_len] with one shape, else a one-line ValueError."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(s != first for s in shapes.values()):
+        detail = ", ".join(f"{n}={list(s)}" for n, s in shapes.items())
+        raise ValueError(f"expected tensors of one shape [batch, seq_len]; got {detail}")
+
+
+def _bounds(threshold: object, threshold_lower: object) -> tuple[float, float]:
+    upper = positive_float("rollout_is_threshold", threshold)
+    if threshold_lower is None:
+        return upper, 1.0 / upper
+    lower = positive_float("rollout_is_threshold_lower", threshold_lower)
+    if lower > upper:
+        raise ValueError(
+            f"rollout_is_threshold_lower ({lower}) must not exceed rollout_is_threshold ({upper})"
+        )
+    return upper, lower
+
+
+def log_ratio(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """old - rollout in at least float32, 0 under the mask (padding values never leak in)."""
+    dtype = torch.promote_types(old_log_prob.dtype, torch.float32)
+    diff = old_log_prob.to(dtype) - rollout_log_prob.to(dtype)
+    return torch.where(valid, diff, torch.zeros((), dtype=dtype, device=diff.device))
+
+
+def _log_weights(lr: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
+    """Unclamped log-weight per token, [batch, seq_len] (sequence levels broadcast)."""
+    if level == "token":
+        return lr
+    if level == "sequence":
+        per_seq = lr.sum(dim=-1, keepdim=True)  # lr is already 0 under the mask
+    else:
+        per_seq = mm.masked_mean(lr, valid, dim=-1).unsqueeze(-1)
+    return per_seq.expand_as(lr)
+
+
+def _bound_weights(
+    raw: torch.Tensor, valid: torch.Tensor, mode: str, lower: float, upper: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Apply truncate or clip; report the fraction of valid tokens each one changed."""
+    if mode == "truncate":
+        changed = raw > upper
+        weights = raw.clamp(max=upper)
+    else:
+        changed = (raw < lower) | (raw > upper)
+        weights = torch.where(changed, torch.zeros_like(raw), raw)
+    fraction = mm.masked_mean(changed.to(torch.float64), valid)
+    zero = torch.zeros_like(fraction)
+    return weights, {
+        "rollout_is_truncated_fraction": fraction if mode == "truncate" else zero,
+        "rollout_is_clipped_fraction": fraction if mode == "clip" else zero,
+    }
+
+
+def _veto(
+    lr: torch.Tensor, valid: torch.Tensor, veto_threshold: object
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bool [batch] of vetoed sequences, with the veto and catastrophic-token fractions."""
+    if veto_threshold is None:
+        catastrophic = torch.zeros_like(valid)
+    else:
+        log_veto = math.log(positive_float("rollout_is_veto_threshold", veto_threshold))
+        catastrophic = valid & (lr < log_veto)
+    vetoed = catastrophic.any(dim=-1)
+    return vetoed, {
+        "rollout_is_veto_fraction": mm.masked_mean(vetoed.to(torch.float64), valid.any(dim=-1)),
+        "rollout_is_catastrophic_token_fraction": mm.masked_mean(
+            catastrophic.to(torch.float64), valid
+        ),
+    }
+
+
+def compute_rollout_importance_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_level: str = "token",
+    rollout_is_mode: str = "truncate",
+    rollout_is_threshold: float | None = None,
+    rollout_is_threshold_lower: float | None = None,
+    rollout_is_veto_threshold: float | None = 1e-4,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Rollout IS weights [batch, seq_len] (detached) and `mismatch/` metrics; see the module doc.
+
+    `rollout_is_threshold=None` returns (None, {}). Nonzero `response_mask` entries are valid.
+    Weights come back in float32 (float64 if the log-probs are float64).
+    """
+    check_choice("rollout_is_level", rollout_is_level, IS_LEVELS)
+    check_choice("rollout_is_mode", rollout_is_mode, IS_MODES)
+    if rollout_is_threshold is None:
+        return None, {}
+    upper, lower = _bounds(rollout_is_threshold, rollout_is_threshold_lower)
+    check_same_shape(
+        old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask
+    )
+    with torch.no_grad():
+        valid = response_mask.bool()
+        lr = log_ratio(old_log_prob, rollout_log_prob, valid)
+        log_w = _log_weights(lr, valid, rollout_is_level)
+        raw = torch.exp(log_w.clamp(min=-SAFETY_LOG_BOUND, max=SAFETY_LOG_BOUND))
+        weights, mode_stats = _bound_weights(raw, valid, rollout_is_mode, lower, upper)
+        vetoed, veto_stats = _veto(lr, valid, rollout_is_veto_threshold)
+        keep = valid & ~vetoed.unsqueeze(-1)
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
+        stats = {
+            **mm.weight_distribution(raw, valid),
+            "rollout_is_eff_sample_size": mm.effective_sample_size(raw, valid, lower, upper),
+            **mm.threshold_fractions(log_w, valid, lower, upper),
+            **mode_stats,
+            **veto_stats,
+            **mm.sequence_stats(raw, valid, lower, upper),
+            **mm.mismatch_metrics(old_log_prob, rollout_log_prob, valid),
+        }
+    return weights.detach(), mm.to_floats(stats, METRIC_PREFIX)
+
+
+def apply_rollout_is(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_is: bool = True,
+    rollout_is_level: str = "token",
+    rollout_is_mode: str = "truncate",
+    rollout_is_threshold: float | None = None,
+    rollout_is_threshold_lower: float | None = None,
+    rollout_is_veto_threshold: float | None = 1e-4,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """verl's two switches in one call: threshold None → (None, {}); `rollout_is=False` →
+    metrics only (None, metrics); otherwise (weights, metrics). Keywords match the
+    `algorithm.rollout_is*` config keys."""
+    if not isinstance(rollout_is, bool):
+        raise ValueError(f"rollout_is must be true or false; got {rollout_is!r}")
+    weights, metrics = compute_rollout_importance_weights(
+        old_log_prob,
+        rollout_log_prob,
+        response_mask,
+        rollout_is_level=rollout_is_level,
+        rollout_is_mode=rollout_is_mode,
+        rollout_is_threshold=rollout_is_threshold,
+        rollout_is_threshold_lower=rollout_is_threshold_lower,
+        rollout_is_veto_threshold=rollout_is_veto_threshold,
+    )
+    return (weights if rollout_is else None), metrics
+
+
+def normalize_weights_to_batch_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rescale `weights` so their mean over valid tokens is 1; 0 under the mask.
+
+    If the valid weights sum to zero (everything clipped or vetoed) there is nothing to rescale:
+    the masked weights come back unchanged rather than divided by zero.
+    """
+    check_same_shape(weights=weights, mask=mask)
+    valid = mask.bool()
+    kept = torch.where(valid, weights, torch.zeros_like(weights))
+    total = kept.sum()
+    count = valid.sum().to(kept.dtype)
+    scale = torch.where(total > 0, count / torch.where(total > 0, total, 1.0), 1.0)
+    return kept * scale
+
+
+def select_old_log_prob(
+    mode: str, rollout_log_prob: torch.Tensor, recomputed_log_prob: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The log-probs that play the old (proximal) policy.
+
+    `bypass`: the rollout engine's own log-probs; no recompute is needed and rollout IS weights
+    become exactly 1 (the mismatch is then absorbed by the PPO ratio instead). `decoupled`: the
+    learner's recomputed log-probs, required.
+    """
+    check_choice("old_log_prob mode", mode, OLD_LOG_PROB_MODES)
+    if mode == "bypass":
+        return rollout_log_prob
+    if recomputed_log_prob is None:
+        raise ValueError("decoupled mode needs recomputed_log_prob (the learner's recompute)")
+    check_same_shape(rollout_log_prob=rollout_log_prob, recomputed_log_prob=recomputed_log_prob)
+    return recomputed_log_prob

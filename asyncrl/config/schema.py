@@ -1,0 +1,337 @@
+"""The configuration schema: nested dataclasses whose keys follow ROLL and verl.
+
+Every field carries a docstring (the string literal after it); `tests/test_config.py` checks that
+none is missing. Nothing here imports torch or Ray, so `asyncrl config` starts fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, one line, naming the offending key path."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker sections (actor_train, actor_infer, reference, critic)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ModelArgs:
+    model_name_or_path: str = ""
+    """Hugging Face model directory. Empty: the embedded tiny model, built and cached locally."""
+    dtype: Dtype | None = None
+    """Weights/compute dtype: fp32, bf16 or fp16; null keeps the config's torch_dtype."""
+    disable_gradient_checkpointing: bool = False
+    """Turn activation checkpointing off (training workers only)."""
+    attn_implementation: str | None = None
+    """transformers attention kernel (eager, sdpa, flash_attention_2); null picks the default."""
+
+
+@dataclass
+class TrainingArgs:
+    learning_rate: float = 1.0e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    per_device_train_batch_size: int = 1
+    """Sequences per device per micro-batch."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per optimizer step; null derives the value giving one step per rollout."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+
+
+@dataclass
+class DataArgs:
+    template: str = "native"
+    """Prompt construction: `native` applies the tokenizer's chat template; `none` tokenizes raw."""
+    file_name: list[str] = field(default_factory=list)
+    """Training prompt files (JSON, JSONL, CSV, Parquet). Empty: the embedded synthetic task."""
+    eval_file_name: list[str] = field(default_factory=list)
+    """Held-out prompt files; empty uses the embedded task's held-out split when it is in use."""
+    prompt: str | None = None
+    """Column holding the prompt text (conflicts with `messages`)."""
+    messages: str | None = None
+    """Column holding a chat message list (conflicts with `prompt`)."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (deterministically from the run seed)."""
+
+
+@dataclass
+class GeneratingArgs:
+    max_new_tokens: int | None = None
+    """Generated tokens per response; null uses the top-level `response_length`."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner divides its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (not reflected in engine logprobs, as in SGLang)."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response besides the tokenizer's EOS."""
+
+
+@dataclass
+class StrategyArgs:
+    strategy_name: str = "fsdp2_train"
+    """Backend: fsdp2_train | megatron_train (train), sglang | hf_infer (infer), megatron_infer."""
+    strategy_config: dict[str, Any] = field(default_factory=dict)
+    """Passed through to the backend (Megatron parallel sizes, SGLang server args, ...)."""
+
+
+@dataclass
+class WorkerConfig:
+    model_args: ModelArgs = field(default_factory=ModelArgs)
+    """Which model, in which dtype."""
+    training_args: TrainingArgs = field(default_factory=TrainingArgs)
+    """Optimizer-side sizes and schedule (training workers)."""
+    data_args: DataArgs = field(default_factory=DataArgs)
+    """Prompt data (read from actor_train)."""
+    generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
+    """Sampling parameters (read from actor_infer)."""
+    strategy_args: StrategyArgs = field(default_factory=StrategyArgs)
+    """Backend name and its pass-through config."""
+    device_mapping: list[int] = field(default_factory=list)
+    """Device ids of this worker; `list(range(0,8))` is parsed, never evaluated. Empty: CPU."""
+    infer_batch_size: int = 4
+    """Batch size for inference and logprob computation."""
+    num_gpus_per_worker: int = 1
+    """Devices per engine (actor_infer): the engine's tensor-parallel size."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm (verl's `algorithm.*`) and actor loss (verl's actor config)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class RejectionCriterion:
+    name: str = "token_k1"
+    """token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3."""
+    lower: float | None = None
+    """Reject below this value (null: no lower bound)."""
+    upper: float | None = None
+    """Reject above this value (null: no upper bound)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO divides by the group std; false is Dr.GRPO."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    correction_mode: Literal["decoupled", "bypass"] = "decoupled"
+    """decoupled: the learner recomputes proximal logprobs; bypass: rollout logprobs are the
+    old policy (no recompute, IS weights exactly 1)."""
+    rollout_is_threshold: float | None = 2.0
+    """Upper IS-weight bound; null disables rollout IS (weights and metrics) entirely."""
+    rollout_is: bool = True
+    """Apply the IS weights to the loss; false computes the mismatch metrics only."""
+    rollout_is_threshold_lower: float | None = None
+    """Lower bound (clip mode); null is 1 / rollout_is_threshold."""
+    rollout_is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Ratio aggregation: per token, product over the sequence, or geometric mean."""
+    rollout_is_mode: Literal["truncate", "clip"] = "truncate"
+    """truncate caps at the upper bound; clip zeroes weights outside [lower, upper]."""
+    rollout_is_veto_threshold: float | None = 1.0e-4
+    """A token ratio below this zeroes its whole sequence; null disables the veto."""
+    rollout_is_batch_normalize: bool = False
+    """Rescale IS weights to batch mean 1 (newer verl design)."""
+    rollout_rs: list[RejectionCriterion] = field(default_factory=list)
+    """Rejection-sampling criteria, chained with AND into a new response mask."""
+    filter_zero_variance_groups: bool = False
+    """DAPO: drop groups whose rewards are all identical (no learning signal)."""
+    overlong_buffer_len: int = 0
+    """DAPO soft overlong punishment window (tokens before response_length); 0 disables."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong penalty at the maximum length."""
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """vanilla | gspo | gpg | clip_cov | kl_cov | geo_mean | cispo | decoupled."""
+    clip_cov_ratio: float = 0.0002
+    """Fraction of tokens clipped by clip-cov."""
+    clip_cov_lb: float = 1.0
+    """Lower covariance bound of clip-cov."""
+    clip_cov_ub: float = 5.0
+    """Upper covariance bound of clip-cov."""
+    kl_cov_ratio: float = 0.0002
+    """Fraction of tokens given the KL penalty by kl-cov."""
+    ppo_kl_coef: float = 0.1
+    """KL penalty coefficient of kl-cov."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What a checkpoint holds: model, optimizer, extra (scheduler, RNG, data, queue), hf_model."""
+    load_contents: list[str] | None = None
+    """What resuming loads; null loads whatever save_contents names."""
+    save_interval: int = 0
+    """Save every N steps (and at the end); 0 saves only at the end."""
+    resume: str = "never"
+    """never | auto (latest checkpoint in output_dir) | a checkpoint directory."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer (learning rate and weight decay live in training_args)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    eps: float = 1.0e-8
+    """Adam epsilon."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decaying schedules, as a fraction of the peak."""
+
+
+@dataclass
+class ActorConfig:
+    clip_ratio: float = 0.2
+    """Symmetric PPO clip; the default of clip_ratio_low/high when they are null."""
+    clip_ratio_low: float | None = None
+    """Lower clip (1 - low); null uses clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip (1 + high); null uses clip_ratio (DAPO clip-higher sets it larger)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (must be > 1)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy loss and its parameters."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add a KL(current || reference) loss (needs the reference worker)."""
+    kl_loss_coef: float = 0.001
+    """KL loss coefficient."""
+    kl_loss_type: str = "low_var_kl"
+    """kl (k1) | abs | mse (k2) | low_var_kl (k3) | full."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    ppo_mini_batch_size: int | None = None
+    """Sequences per optimizer step within an epoch; null: the whole rollout batch."""
+    shuffle: bool = False
+    """Shuffle sequences across mini-batches each epoch."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint contents and cadence."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer kind and its hyper-parameters."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loop-level sections
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class AsyncConfig:
+    max_staleness: int = 1
+    """Most versions a trained-on group may lag the learner; 0 is the synchronous loop."""
+    sync_interval: int = 1
+    """Broadcast weights to the engines every N optimizer steps."""
+    pause_mode: PauseMode = "in_place"
+    """How engines hold in-flight requests during a weight update: abort | retract | in_place."""
+
+
+@dataclass
+class WeightSyncConfig:
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    """torch.distributed backend of the update group; auto follows the device."""
+    bucket_size_mb: float = 256.0
+    """Bytes per broadcast bucket, in MiB."""
+    load_format: Literal["flattened_bucket", "tensors"] = "flattened_bucket"
+    """flattened_bucket: one uint8 buffer per bucket; tensors: one broadcast per tensor."""
+    timeout_s: float = 120.0
+    """Every wait of a sync ends after this long with an error naming the stalled engine."""
+    master_address: str = "127.0.0.1"
+    """Address the update group rendezvouses on (the learner's host)."""
+    master_port: int = 0
+    """Rendezvous port; 0 picks a free one."""
+
+
+@dataclass
+class RolloutConfig:
+    num_actors: int = 2
+    """Rollout actors (Ray actors), each driving its share of engines."""
+    reward_fn: str = "arithmetic_exact"
+    """Reward by registry name or `package.module:function`."""
+    max_inflight_prompts: int = 8
+    """Prompts one actor keeps in flight at once (bounded also by admission capacity)."""
+    request_timeout_s: float = 300.0
+    """Engine request timeout; a timed-out prompt is re-issued."""
+    transport_host: str = "127.0.0.1"
+    """Where the learner's ZMQ PULL socket binds (set an address for multi-node)."""
+    transport_port: int = 0
+    """ZMQ port; 0 picks a free one."""
+
+
+@dataclass
+class LoggingConfig:
+    console: bool = True
+    """Live rich console view."""
+    tensorboard: bool = True
+    """Write TensorBoard events under output_dir."""
+    wandb_project: str | None = None
+    """W&B project; null disables W&B."""
+    eval_interval: int = 5
+    """Held-out evaluation every N steps (and at start and end); 0 disables it."""
+    eval_size: int = 128
+    """Held-out prompts per evaluation."""
+    plots: bool = True
+    """Write PNG plots and a summary at the end."""
+
+
+@dataclass
+class Config:
+    rollout_batch_size: int = 8
+    """Prompts per training step."""
+    prompt_length: int = 64
+    """Longest prompt in tokens; longer prompts are skipped and counted."""
+    response_length: int = 32
+    """Longest response in tokens."""
+    num_return_sequences_in_group: int = 8
+    """Responses per prompt (the group of GRPO-style estimators)."""
+    max_steps: int = 40
+    """Optimizer steps of the run."""
+    seed: int = 0
+    """Seed of every random stream (data order, sampling, init)."""
+    output_dir: str = "runs/asyncrl"
+    """Metrics, checkpoints, plots and the resolved config go here."""
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchrony: staleness bound, weight-sync cadence, in-flight update mode (key `async`)."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How weights travel from learner to engines."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout actors, reward and transport."""
+    actor_train: WorkerConfig = field(default_factory=WorkerConfig)
+    """The learner (policy being trained)."""
+    actor_infer: WorkerConfig = field(
+        default_factory=lambda: WorkerConfig(strategy_args=StrategyArgs("hf_infer"))
+    )
+    """The rollout engines."""
+    reference: WorkerConfig | None = None
+    """Reference policy for the KL loss; null: none (or the initial actor when use_kl_loss)."""
+    critic: WorkerConfig | None = None
+    """Value model for GAE; null: none."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, rollout importance sampling, rejection sampling, DAPO filters."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy loss (verl's actor keys), epochs, checkpointing, optimizer."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """What the user sees and where metrics go."""
+
+
+#: Dataclass field names that differ from their YAML key (Python keywords).
+FIELD_ALIASES: dict[str, str] = {"async_": "async"}

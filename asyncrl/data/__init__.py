@@ -1,0 +1,1 @@
+"""Prompt data: file datasets (``datasets.py``) and the synthetic arithmetic task (``synthetic.py``)."""

@@ -1,0 +1,1 @@
+"""Models built locally: the embedded tiny default (see ``tiny.py``)."""

@@ -1,0 +1,306 @@
+"""The embedded default model: a character-level tokenizer and a tiny Qwen2 causal LM, given a
+short supervised warm-start on the synthetic arithmetic task so that RL starts with signal.
+
+The task format: prompt ``12+345=`` (raw) or the chat-templated user message; the response is
+the answer digits followed by ``<|im_end|>`` (the EOS token). Everything is built locally, no hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.data.synthetic import ArithmeticTask, make_rows
+
+# Bump when a change here alters what gets built: it is part of the cache key.
+CODE_VERSION = 1
+PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+SPECIAL_TOKENS = (PAD, IM_START, IM_END, UNK)
+MARKER = "asyncrl_embedded.json"  # written last: its presence means the directory is complete
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Everything that determines the built model; its hash names the cache directory."""
+
+    task: ArithmeticTask = field(default_factory=ArithmeticTask)
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 512
+    train_rows: int = 12_000
+    heldout_rows: int = 500
+    steps: int = 400
+    batch_size: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    chat_fraction: float = 0.0  # share of warm-start examples rendered with the chat template
+    seed: int = 0
+
+    def digest(self) -> str:
+        blob = json.dumps({"spec": asdict(self), "code": CODE_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+DEFAULT_SPEC = TinyModelSpec()
+
+
+def build_tokenizer() -> Any:
+    """Character-level tokenizer (printable ASCII + newline + specials) as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
+    # BPE without merges splits text into single characters; unknown characters become <unk>.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=IM_END,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START],
+        padding_side="left",
+        model_max_length=DEFAULT_SPEC.max_position_embeddings,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
+    """A randomly initialised tiny Qwen2 causal LM (tied embeddings, fp32)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    return model
+
+
+def render_prompts(tokenizer: Any, prompts: Sequence[str], template: str) -> list[str]:
+    """Prompt text as the model sees it: raw (``none``) or wrapped by the chat template."""
+    if template in ("none", "raw"):
+        return list(prompts)
+    if template != "native":
+        raise ValueError(f"template must be 'native' or 'none', got {template!r}")
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in prompts
+    ]
+
+
+def evaluate_accuracy(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+    template: str = "none",
+) -> float:
+    """Greedy exact-match accuracy on rows ``{"prompt", "answer"}`` (batched, left padding),
+    scored by the ``arithmetic_exact`` reward so evaluation and RL agree on what is correct."""
+    import torch
+
+    from asyncrl.rewards.arithmetic import arithmetic_exact
+
+    if not rows:
+        raise ValueError("evaluate_accuracy needs at least one row")
+    was_training, old_side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"  # generation continues from the right edge of every row
+    device = next(model.parameters()).device
+    correct = 0.0
+    try:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            texts = render_prompts(tokenizer, [r["prompt"] for r in chunk], template)
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=enc["input_ids"].to(device),
+                    attention_mask=enc["attention_mask"].to(device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+            new = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :])
+            correct += sum(arithmetic_exact(r["prompt"], t, r) for r, t in zip(chunk, new))
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = old_side
+    return correct / len(rows)
+
+
+def _encode_examples(tokenizer: Any, spec: TinyModelSpec, rows: list[dict[str, str]]) -> list:
+    """(input_ids, labels) per row; labels are -100 on the prompt so only the answer is learned."""
+    import random
+
+    rng = random.Random(spec.seed)
+    chat = {i for i in range(len(rows)) if rng.random() < spec.chat_fraction}
+    raw = [r["prompt"] for r in rows]
+    texts = [render_prompts(tokenizer, [p], "native")[0] if i in chat else p for i, p in enumerate(raw)]
+    prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    examples = []
+    for p, a in zip(prompt_ids, answer_ids):
+        target = [*a, tokenizer.eos_token_id]
+        examples.append((p + target, [-100] * len(p) + target))
+    return examples
+
+
+def _collate(batch: list, pad_id: int) -> dict[str, Any]:
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (x, y) in enumerate(batch):  # right padding: positions stay 0..n-1 while training
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
+    """Supervised warm-start on the train split (AdamW, warmup + cosine). Returns final loss."""
+    import random
+
+    import torch
+
+    examples = _encode_examples(tokenizer, spec, make_rows(spec.task, "train", spec.train_rows, spec.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    def lr_at(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / spec.warmup_steps
+        progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+        return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    rng, order, loss = random.Random(spec.seed), [], float("nan")
+    model.train()
+    torch.manual_seed(spec.seed)
+    for _ in range(spec.steps):
+        if len(order) < spec.batch_size:
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+        batch = [examples[order.pop()] for _ in range(spec.batch_size)]
+        out = model(**_collate(batch, tokenizer.pad_token_id))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = float(out.loss)
+    model.eval()
+    return loss
+
+
+def build_embedded_model(out_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC) -> dict[str, Any]:
+    """Build, warm-start and save the model into ``out_dir``; returns the recorded report."""
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer()
+    model = build_model(spec, tokenizer)
+    loss = warm_start(model, tokenizer, spec)
+    train_s = time.perf_counter() - t0
+    heldout = make_rows(spec.task, "heldout", spec.heldout_rows, spec.seed)
+    report: dict[str, Any] = {
+        "spec": asdict(spec),
+        "code_version": CODE_VERSION,
+        "digest": spec.digest(),
+        "warm_start_seconds": round(train_s, 2),
+        "final_train_loss": round(loss, 4),
+        "heldout_accuracy": evaluate_accuracy(model, tokenizer, heldout, template="none"),
+    }
+    if spec.chat_fraction > 0:
+        report["heldout_accuracy_chat"] = evaluate_accuracy(model, tokenizer, heldout, template="native")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / MARKER).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def default_cache_dir() -> Path:
+    """``$ASYNCRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncrl``, else ``~/.cache/asyncrl``."""
+    if os.environ.get("ASYNCRL_CACHE_DIR"):
+        return Path(os.environ["ASYNCRL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "asyncrl"
+
+
+def ensure_embedded_model(
+    cache_dir: str | Path | None = None, spec: TinyModelSpec = DEFAULT_SPEC, verbose: bool = True
+) -> Path:
+    """The HF model directory of ``spec``, built once under ``cache_dir`` and reused.
+
+    Concurrent callers serialise on a file lock; the build happens in a temporary sibling that
+    is renamed into place only when complete, so a reader never sees a half-written model.
+    """
+    from filelock import FileLock  # a dependency of huggingface_hub, hence of transformers
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"embedded-{spec.digest()}"
+    if (final / MARKER).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if (final / MARKER).is_file():
+            return final  # another process built it while we waited
+        if verbose:
+            print(f"asyncrl: building the embedded model into {final} (once)", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
+        try:
+            report = build_embedded_model(tmp, spec)
+            if final.exists():  # incomplete leftover (no marker): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        print(
+            f"asyncrl: embedded model ready: warm-start {report['warm_start_seconds']}s, "
+            f"held-out greedy accuracy {report['heldout_accuracy']:.1%}",
+            file=sys.stderr,
+        )
+    return final

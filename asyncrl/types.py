@@ -1,0 +1,332 @@
+"""Wire records: what a trajectory is while it travels from a rollout actor to the learner.
+
+Every record here is plain data (numpy arrays, str, int, float) so the codec can move it without
+pickle. A `TrajectoryGroup` stores its n responses *flat*: the responses' tokens are concatenated
+in one array per field and `response_lengths` tells where each response ends. Flat storage keeps
+the wire format to a handful of side buffers however large n is.
+
+`collate` turns a list of groups into the learner's padded tensors (verl's layout). This module
+imports neither torch nor Ray; `Batch.to_torch` imports torch when it is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: Version stamped on tokens the policy did not generate (environment / tool observations).
+NOT_GENERATED = -1
+
+
+class RecordError(ValueError):
+    """A wire record is inconsistent (lengths, dtypes, mask values)."""
+
+
+# (field name, dtype); these fields are 1-D and share the flat token axis.
+TOKEN_FIELDS: tuple[tuple[str, type], ...] = (
+    ("response_ids", np.int32),
+    ("rollout_logprobs", np.float32),
+    ("loss_mask", np.uint8),
+    ("versions", np.int32),
+)
+
+# Every array field of a TrajectoryGroup with its dtype (advantages is optional).
+ARRAY_FIELDS: tuple[tuple[str, type], ...] = (
+    ("prompt_ids", np.int32),
+    ("response_lengths", np.int32),
+    *TOKEN_FIELDS,
+    ("rewards", np.float32),
+    ("advantages", np.float32),
+)
+
+
+@dataclass(eq=False)
+class TrajectoryGroup:
+    """The n responses of one prompt, as the rollout actor produced them.
+
+    Invariants (checked on construction): every token field has length sum(response_lengths);
+    token ids are >= 0; `loss_mask` is 0/1 and is 0 on environment and tool tokens; `versions`
+    holds the weight version (>= 0) that generated each token and `NOT_GENERATED` on tokens the
+    policy did not generate, which must have `loss_mask` 0 (a generated token may still be masked
+    out); `rewards`, `finish_reasons` have one entry per response; `advantages` is either None or
+    per token; logprobs, rewards and advantages are finite. Integer fields are cast only when the
+    cast is exact (1.5 or 2**40 as a token id is an error, not a silent truncation).
+    """
+
+    group_id: str
+    prompt_ids: np.ndarray
+    response_lengths: np.ndarray
+    response_ids: np.ndarray
+    rollout_logprobs: np.ndarray
+    loss_mask: np.ndarray
+    versions: np.ndarray
+    rewards: np.ndarray
+    finish_reasons: list[str]
+    advantages: np.ndarray | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, dtype in ARRAY_FIELDS:
+            value = getattr(self, name)
+            if value is not None or name != "advantages":
+                setattr(self, name, _as_1d(value, dtype, name))
+        if isinstance(self.finish_reasons, str | bytes) or not isinstance(
+            self.finish_reasons, Sequence
+        ):
+            raise RecordError("finish_reasons must be a list with one entry per response")
+        self.finish_reasons = [str(r) for r in self.finish_reasons]
+        if not isinstance(self.metadata, Mapping) or not all(
+            isinstance(k, str) for k in self.metadata
+        ):
+            raise RecordError("metadata must be a mapping with str keys")
+        self.metadata = dict(self.metadata)
+        self._check()
+
+    def _check(self) -> None:
+        if not isinstance(self.group_id, str) or not self.group_id:
+            raise RecordError("group_id must be a non-empty string")
+        gid = self.group_id
+        if (self.response_lengths < 0).any():
+            raise RecordError(f"group {gid}: negative response length")
+        n, total = self.n, self.num_tokens
+        for name, _ in TOKEN_FIELDS:
+            if len(getattr(self, name)) != total:
+                raise RecordError(
+                    f"group {gid}: {name} has {len(getattr(self, name))} tokens, "
+                    f"response_lengths sum to {total}"
+                )
+        if self.advantages is not None and len(self.advantages) != total:
+            raise RecordError(f"group {gid}: advantages must be per token ({total})")
+        if len(self.rewards) != n or len(self.finish_reasons) != n:
+            raise RecordError(
+                f"group {gid}: {n} responses but {len(self.rewards)} rewards and "
+                f"{len(self.finish_reasons)} finish_reasons"
+            )
+        self._check_values()
+
+    def _check_values(self) -> None:
+        gid = self.group_id
+        if (self.prompt_ids < 0).any() or (self.response_ids < 0).any():
+            raise RecordError(f"group {gid}: negative token id")
+        if (self.loss_mask > 1).any():
+            raise RecordError(f"group {gid}: loss_mask must hold only 0 and 1")
+        if (self.versions < NOT_GENERATED).any():
+            raise RecordError(f"group {gid}: version below NOT_GENERATED ({NOT_GENERATED})")
+        if (self.versions[self.loss_mask == 1] == NOT_GENERATED).any():
+            raise RecordError(f"group {gid}: a token with loss_mask 1 has no generating version")
+        finite = [self.rollout_logprobs, self.rewards]
+        if self.advantages is not None:
+            finite.append(self.advantages)
+        if not all(np.isfinite(a).all() for a in finite):
+            raise RecordError(f"group {gid}: non-finite logprob, reward or advantage")
+
+    def __eq__(self, other: object) -> bool:
+        """Exact equality of every field (arrays element-wise, dtypes included)."""
+        if not isinstance(other, TrajectoryGroup):
+            return NotImplemented
+        if (self.group_id, self.finish_reasons, self.metadata) != (
+            other.group_id,
+            other.finish_reasons,
+            other.metadata,
+        ):
+            return False
+        for name, _ in ARRAY_FIELDS:
+            a, b = getattr(self, name), getattr(other, name)
+            if (a is None) != (b is None):
+                return False
+            if a is not None and (a.dtype != b.dtype or not np.array_equal(a, b)):
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable record with array fields
+
+    # -- views -------------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return len(self.response_lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens in the group (prompt tokens not counted)."""
+        return int(self.response_lengths.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the array fields (what the codec sends as side buffers)."""
+        return sum(getattr(self, k).nbytes for k, _ in ARRAY_FIELDS if getattr(self, k) is not None)
+
+    def offsets(self) -> np.ndarray:
+        """Start of each response in the flat arrays, plus the end: length n + 1."""
+        return np.concatenate([[0], np.cumsum(self.response_lengths, dtype=np.int64)])
+
+    def response(self, i: int, name: str = "response_ids") -> np.ndarray:
+        """One response's slice of a flat token field (a view, not a copy)."""
+        off = self.offsets()
+        return getattr(self, name)[off[i] : off[i + 1]]
+
+    def min_version(self) -> int:
+        """The oldest policy version that generated any token here (staleness is measured
+        from it); `NOT_GENERATED` if the group holds no generated token."""
+        generated = self.versions[self.versions != NOT_GENERATED]
+        return int(generated.min()) if generated.size else NOT_GENERATED
+
+    def max_version(self) -> int:
+        generated = self.versions[self.versions != NOT_GENERATED]
+        return int(generated.max()) if generated.size else NOT_GENERATED
+
+    @classmethod
+    def from_responses(
+        cls,
+        group_id: str,
+        prompt_ids: Sequence[int] | np.ndarray,
+        responses: Sequence[Mapping[str, Any]],
+        metadata: dict[str, Any] | None = None,
+    ) -> TrajectoryGroup:
+        """Build from per-response dicts with keys `response_ids`, `rollout_logprobs`,
+        `versions`, `reward`, `finish_reason` and optionally `loss_mask`, `advantages`
+        (advantages are kept only if every response has them)."""
+        cat = _concat_field
+        has_adv = bool(responses) and all("advantages" in r for r in responses)
+        ones = [{"loss_mask": np.ones(len(r["response_ids"]), np.uint8), **r} for r in responses]
+        return cls(
+            group_id=group_id,
+            prompt_ids=np.asarray(prompt_ids),
+            response_lengths=np.array([len(r["response_ids"]) for r in responses], np.int64),
+            response_ids=cat(responses, "response_ids", np.int32),
+            rollout_logprobs=cat(responses, "rollout_logprobs", np.float32),
+            loss_mask=cat(ones, "loss_mask", np.uint8),
+            versions=cat(responses, "versions", np.int32),
+            rewards=np.array([r["reward"] for r in responses], np.float64),
+            finish_reasons=[r["finish_reason"] for r in responses],
+            advantages=cat(responses, "advantages", np.float32) if has_adv else None,
+            metadata=dict(metadata or {}),
+        )
+
+    def iter_responses(self) -> Iterator[dict[str, Any]]:
+        for i in range(self.n):
+            yield {name: self.response(i, name) for name, _ in TOKEN_FIELDS}
+
+
+def _concat_field(responses: Sequence[Mapping[str, Any]], key: str, dtype: type) -> np.ndarray:
+    # Concatenate in the source dtype; the exact cast to `dtype` happens in `_as_1d`.
+    parts = [np.asarray(r[key]) for r in responses]
+    if any(p.ndim != 1 for p in parts):
+        raise RecordError(f"{key} of every response must be 1-D")
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _as_1d(value: Any, dtype: type, name: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise RecordError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype == dtype:  # fast path: decoded wire arrays already have the right dtype
+        return np.ascontiguousarray(arr)
+    if arr.size and arr.dtype.kind not in "biuf":
+        raise RecordError(f"{name} must be numeric, got dtype {arr.dtype}")
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.ascontiguousarray(arr, dtype=dtype)
+    # Integer targets: the cast must be exact (no truncated floats, no wrapped overflow).
+    if out.dtype.kind in "iu" and arr.size and not np.array_equal(out, arr):
+        raise RecordError(f"{name}: values do not fit {np.dtype(dtype).name} exactly")
+    return out
+
+
+# -- the learner's padded batch ----------------------------------------------------------------
+@dataclass(eq=False)
+class Batch:
+    """Padded learner tensors in verl's layout, one row per response, rows in group order.
+
+    Prompts are left-padded to the batch's longest prompt P, responses right-padded to its
+    longest response R; `input_ids = [prompt | response]` has width P + R. Masks are 1 on real
+    tokens; `response_mask` is the loss mask (0 on pad and on environment/tool tokens) and is
+    float32 because the loss uses it as a weight. Pad positions hold `pad_id` in `input_ids`,
+    0 in logprobs and advantages, and `NOT_GENERATED` in `versions`.
+    """
+
+    input_ids: np.ndarray  # [B, P+R] int64
+    attention_mask: np.ndarray  # [B, P+R] int64
+    position_ids: np.ndarray  # [B, P+R] int64: cumsum(attention_mask) - 1, clipped at 0
+    response_mask: np.ndarray  # [B, R] float32
+    rollout_logprobs: np.ndarray  # [B, R] float32
+    advantages: np.ndarray  # [B, R] float32 (zeros for groups without advantages)
+    versions: np.ndarray  # [B, R] int64
+    rewards: np.ndarray  # [B] float32
+    group_index: np.ndarray  # [B] int64: position of the row's group in collate's input
+    prompt_lengths: np.ndarray  # [B] int64
+    response_lengths: np.ndarray  # [B] int64
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def response_width(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.response_width
+
+    def to_torch(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The batch as torch tensors (same names, same dtypes) on `device`."""
+        import torch  # deferred: this module must not import torch at load time
+
+        return {f.name: torch.from_numpy(getattr(self, f.name)).to(device) for f in fields(self)}
+
+
+def collate(groups: Sequence[TrajectoryGroup], pad_id: int = 0) -> Batch:
+    """Pad a list of groups into one `Batch` of B = sum(group.n) rows, in group order."""
+    groups = list(groups)
+    rows = sum(g.n for g in groups)
+    if rows == 0:
+        raise RecordError("collate needs at least one response")
+    p = max(len(g.prompt_ids) for g in groups if g.n)
+    r = max(int(g.response_lengths.max()) for g in groups if g.n)
+    i64, f32 = np.int64, np.float32
+    batch = Batch(
+        input_ids=np.full((rows, p + r), pad_id, i64),
+        attention_mask=np.zeros((rows, p + r), i64),
+        position_ids=np.zeros((rows, p + r), i64),
+        response_mask=np.zeros((rows, r), f32),
+        rollout_logprobs=np.zeros((rows, r), f32),
+        advantages=np.zeros((rows, r), f32),
+        versions=np.full((rows, r), NOT_GENERATED, i64),
+        rewards=np.zeros(rows, f32),
+        group_index=np.zeros(rows, i64),
+        prompt_lengths=np.zeros(rows, i64),
+        response_lengths=np.zeros(rows, i64),
+    )
+    row = 0
+    for index, group in enumerate(groups):
+        _fill_group(batch, group, index, row, p)
+        row += group.n
+    np.clip(np.cumsum(batch.attention_mask, axis=1) - 1, 0, None, out=batch.position_ids)
+    return batch
+
+
+def _fill_group(b: Batch, g: TrajectoryGroup, index: int, row: int, p: int) -> None:
+    """Write group `g` into rows [row, row + g.n) of `b` (prompt width p)."""
+    rows, plen = slice(row, row + g.n), len(g.prompt_ids)
+    b.input_ids[rows, p - plen : p] = g.prompt_ids
+    b.attention_mask[rows, p - plen : p] = 1
+    # Scatter the flat token axis into (row, column) without a per-response Python loop.
+    lengths = g.response_lengths
+    r = np.repeat(np.arange(row, row + g.n), lengths)
+    c = np.arange(g.num_tokens) - np.repeat(g.offsets()[:-1], lengths)
+    b.input_ids[r, p + c] = g.response_ids
+    b.attention_mask[r, p + c] = 1
+    b.response_mask[r, c] = g.loss_mask
+    b.rollout_logprobs[r, c] = g.rollout_logprobs
+    b.versions[r, c] = g.versions
+    if g.advantages is not None:
+        b.advantages[r, c] = g.advantages
+    b.rewards[rows] = g.rewards
+    b.group_index[rows] = index
+    b.prompt_lengths[rows] = plen
+    b.response_lengths[rows] = lengths

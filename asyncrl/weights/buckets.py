@@ -1,0 +1,133 @@
+"""Weight buckets: grouping named tensors and the flattened-bucket byte layout.
+
+Shared by the learner (sender) and the hf engine server (receiver), so both sides compute the
+same layout from the same metadata. The flattened layout is SGLang's `load_format =
+"flattened_bucket"`: one uint8 buffer per bucket, tensors flattened and concatenated in the
+given name order, each tensor's byte offset rounded up to a multiple of its dtype's itemsize
+(so every slice can be viewed as that dtype without a copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+# Wire names (SGLang writes dtypes without the "torch." prefix). A fixed table, never getattr on
+# a string from the wire.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class BucketLayoutError(ValueError):
+    """Bucket metadata that cannot be laid out (unknown dtype, bad shape, size mismatch)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"` (the wire spelling)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise BucketLayoutError(f"dtype {dtype} cannot be sent as a weight") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` or `"torch.bfloat16"` -> `torch.bfloat16`; unknown names raise."""
+    if not isinstance(name, str):
+        raise BucketLayoutError(f"dtype must be a string, got {type(name).__name__}")
+    key = name.removeprefix("torch.")
+    if key not in DTYPES:
+        raise BucketLayoutError(f"unknown dtype {name!r} (known: {', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+def parse_shape(shape: object) -> tuple[int, ...]:
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise BucketLayoutError(f"shape must be a list of non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def bucketize(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group `(name, tensor)` pairs into buckets of at most `bucket_bytes` bytes, in order.
+
+    Lazy: a bucket is yielded as soon as it is full, so the caller never holds more than one
+    bucket of (possibly converted) tensors. A tensor larger than `bucket_bytes` gets a bucket of
+    its own. Empty input yields nothing.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor_nbytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def flat_layout(
+    dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> tuple[list[int], int]:
+    """Byte offset of every tensor in a flattened bucket, and the bucket's total size."""
+    offsets: list[int] = []
+    offset = 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offset = -(-offset // itemsize) * itemsize  # round up: aligned views, no copies
+        offsets.append(offset)
+        numel = 1
+        for d in shape:
+            numel *= d
+        offset += numel * itemsize
+    return offsets, offset
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Pack tensors into one uint8 buffer laid out by `flat_layout` (on the tensors' device)."""
+    if not tensors:
+        raise BucketLayoutError("cannot flatten an empty bucket")
+    offsets, total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])
+    buf = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device)
+    for t, off in zip(tensors, offsets):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf[off : off + raw.numel()].copy_(raw)
+    return buf
+
+
+def unflatten_bucket(
+    buf: torch.Tensor, dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """Views into `buf` (a uint8 buffer from `flatten_bucket`), one per tensor, no copies."""
+    offsets, total = flat_layout(dtypes, shapes)
+    if buf.dtype != torch.uint8 or buf.numel() != total:
+        raise BucketLayoutError(f"bucket buffer has {buf.numel()} bytes, layout needs {total}")
+    out = []
+    for dtype, shape, off in zip(dtypes, shapes, offsets):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        out.append(buf[off : off + numel * itemsize].view(dtype).view(tuple(shape)))
+    return out

@@ -1,0 +1,134 @@
+"""Standalone torch.distributed groups for weight updates (learner rank 0, engines 1..N).
+
+The group is NOT the process-global default group: the learner may already run DDP/FSDP in its
+own default group, and an engine may belong to several update groups (one per `group_name`).
+Rendezvous goes through a fresh `TCPStore` at `master_address:master_port` hosted by rank 0,
+prefixed by the group name.
+
+- gloo: a `ProcessGroupGloo` is built directly on that store. When the master address is a
+  loopback address the gloo device binds to 127.0.0.1 (CI, one host); otherwise gloo's default
+  device is used (it honours `GLOO_SOCKET_IFNAME`).
+- nccl / hccl: built through `torch.distributed.distributed_c10d._new_process_group_helper`, the
+  route SGLang's own `init_custom_process_group` takes, so the engine side of a real SGLang
+  server and this learner side agree. (hccl needs `torch_npu` imported to register itself.)
+
+Every collective goes through `broadcast`, which waits with the group's timeout: a peer that
+never joins makes the call raise instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl", "hccl")
+
+
+class GroupError(RuntimeError):
+    """A weight-update group could not be formed or a collective on it failed."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def create_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) the group; blocks until all `world_size` ranks joined or timeout."""
+    if backend not in BACKENDS:
+        raise GroupError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if not 0 <= rank < world_size:
+        raise GroupError(f"rank {rank} outside world of size {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        store = dist.PrefixStore(f"asyncrl/{group_name}", store)
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            if _is_loopback(master_address):
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            else:
+                opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            return dist.ProcessGroupGloo(store, rank, world_size, opts)
+        return _accelerator_group(backend, store, rank, world_size, group_name, timeout)
+    except GroupError:
+        raise
+    except Exception as e:  # DistStoreError, gloo/nccl runtime errors: one line for the caller
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GroupError(
+            f"rank {rank}/{world_size} could not join group {group_name!r} at "
+            f"{master_address}:{master_port} ({backend}): {msg}"
+        ) from e
+
+
+def _accelerator_group(backend, store, rank, world_size, group_name, timeout):
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    if backend == "hccl":
+        import torch_npu  # noqa: F401  registers the hccl backend
+
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        store,
+        group_name=f"asyncrl_{group_name}",
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int = 0) -> None:
+    """Broadcast each tensor from `src` in order; raises GroupError on timeout or peer loss.
+
+    All broadcasts are issued before waiting (as SGLang's receiver does), so order on the wire
+    is the list order on every rank.
+    """
+    try:
+        works = []
+        for t in tensors:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            opts.rootTensor = 0
+            works.append(group.broadcast([t], opts))
+        for w in works:
+            w.wait()
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GroupError(f"broadcast failed: {msg}") from e
+
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Best effort: release the group's sockets/communicators."""
+    try:
+        if hasattr(group, "shutdown"):
+            group.shutdown()
+        elif hasattr(group, "abort"):
+            group.abort()
+    except Exception:  # noqa: BLE001 - teardown of an already broken group may fail; nothing to do
+        pass
