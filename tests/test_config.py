@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ConfigError, derive_plan, load_config, to_dict
-from asyncrl.config import schema
+from asyncrl.config import ConfigError, derive_plan, load_config, schema, to_dict
 from asyncrl.config.loader import parse_int_list
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,8 +81,13 @@ def test_yaml_file_with_nested_lists(tmp_path):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("list(range(0,16))", list(range(16))), ("list(range(4))", [0, 1, 2, 3]),
-     ("range(2, 6)", [2, 3, 4, 5]), ("0,1,3", [0, 1, 3]), ("[5]", [5])],
+    [
+        ("list(range(0,16))", list(range(16))),
+        ("list(range(4))", [0, 1, 2, 3]),
+        ("range(2, 6)", [2, 3, 4, 5]),
+        ("0,1,3", [0, 1, 3]),
+        ("[5]", [5]),
+    ],
 )
 def test_device_mapping_is_parsed(text, expected):
     assert parse_int_list(text, "x") == expected
@@ -224,7 +228,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_show_prints_config_and_plan():
-    out = _cli("config", "show", "configs/default.yaml", "actor_train.training_args.learning_rate=1e-6")
+    out = _cli(
+        "config", "show", "configs/default.yaml", "actor_train.training_args.learning_rate=1e-6"
+    )
     assert out.returncode == 0, out.stderr
     assert "learning_rate: 1.0e-06" in out.stdout
     assert "global_train_batch_size" in out.stdout

@@ -19,7 +19,6 @@ import yaml
 from asyncrl.config.schema import FIELD_ALIASES, Config, ConfigError
 from asyncrl.config.validate import validate
 
-
 # Keys that existed in verl/asyncrl once and were removed: path suffix -> migration hint.
 REMOVED_KEYS: dict[str, str] = {
     "tis_imp_ratio_cap": (
@@ -28,7 +27,9 @@ REMOVED_KEYS: dict[str, str] = {
         "algorithm.rollout_is_mode: truncate"
     ),
 }
-_RANGE = re.compile(r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$")
+_RANGE = re.compile(
+    r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$"
+)
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -116,7 +117,11 @@ def coerce(tp: Any, value: Any, path: str, current: Any = None) -> Any:
                 return coerce(arg, value, path, current)
             except ConfigError as e:
                 errors.append(e)
-        raise errors[0] if len(errors) == 1 else ConfigError(f"{path}: expected {_name(tp)}, got {_kind(value)}")
+        raise (
+            errors[0]
+            if len(errors) == 1
+            else ConfigError(f"{path}: expected {_name(tp)}, got {_kind(value)}")
+        )
     if origin is Literal:
         if value not in typing.get_args(tp):
             allowed = ", ".join(str(a) for a in typing.get_args(tp))
@@ -151,8 +156,10 @@ def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
         return float(value)  # YAML 1.1 reads `1e-6` as a string; accept it for float fields
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp in (int, float, str, bool) and isinstance(value, tp) and not (
-        tp is int and isinstance(value, bool)
+    if (
+        tp in (int, float, str, bool)
+        and isinstance(value, tp)
+        and not (tp is int and isinstance(value, bool))
     ):
         return value
     raise ConfigError(f"{path}: expected {_name(tp)}, got {_kind(value)} {value!r}")
@@ -169,7 +176,9 @@ def parse_int_list(text: str, path: str) -> list[int]:
     parts = [p.strip() for p in text.strip("[]").split(",") if p.strip()]
     if parts and all(re.fullmatch(r"-?\d+", p) for p in parts):
         return [int(p) for p in parts]
-    raise ConfigError(f"{path}: cannot parse {text!r} as a device list (use list(range(a,b)) or 0,1,2)")
+    raise ConfigError(
+        f"{path}: cannot parse {text!r} as a device list (use list(range(a,b)) or 0,1,2)"
+    )
 
 
 def _name(tp: Any) -> str:
@@ -194,4 +203,3 @@ def to_dict(cfg: Any) -> Any:
     if isinstance(cfg, dict):
         return {k: to_dict(v) for k, v in cfg.items()}
     return cfg
-

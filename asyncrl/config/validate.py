@@ -7,7 +7,12 @@ from asyncrl.config.schema import Config, ConfigError, WorkerConfig
 # Names accepted by the algorithm registries (asyncrl.algo); a test keeps these lists equal to
 # the registries so the config can be validated without importing torch.
 LOSS_MODES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "decoupled")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 ADV_ESTIMATORS = (
     "grpo",
@@ -93,9 +98,13 @@ def _check_worker(role: str, worker: WorkerConfig) -> None:
     _positive(f"{role}.infer_batch_size", worker.infer_batch_size)
     _positive(f"{role}.num_gpus_per_worker", worker.num_gpus_per_worker)
     targs = worker.training_args
-    _positive(f"{role}.training_args.per_device_train_batch_size", targs.per_device_train_batch_size)
+    _positive(
+        f"{role}.training_args.per_device_train_batch_size", targs.per_device_train_batch_size
+    )
     if targs.gradient_accumulation_steps is not None:
-        _positive(f"{role}.training_args.gradient_accumulation_steps", targs.gradient_accumulation_steps)
+        _positive(
+            f"{role}.training_args.gradient_accumulation_steps", targs.gradient_accumulation_steps
+        )
     _positive(f"{role}.training_args.learning_rate", targs.learning_rate, allow_zero=True)
     gen = worker.generating_args
     _positive(f"{role}.generating_args.temperature", gen.temperature, allow_zero=True)
