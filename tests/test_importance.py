@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -435,10 +436,14 @@ def test_rejection_arguments_are_validated():
         ([("token_k1", 2.0, 1.0)], "exceeds upper"),
         ([("token_k1", None, 1.0), ("token_k1", None, 2.0)], "repeat token_k1"),
         (["token_k1"], r"is \(name, lower, upper\)"),
+        ([3.0], r"is \(name, lower, upper\)"),
     ]
     for criteria, message in bad:
         with pytest.raises(ValueError, match=message):
             rejection_mask(old, rollout, mask, criteria)
+    record = SimpleNamespace(name="seq_max_k3", lower=None, upper=0.4)  # a config-like record
+    from_record, _ = rejection_mask(old, rollout, mask, [record])
+    torch.testing.assert_close(from_record, torch.tensor([ALL, NONE, ALL]) * mask)
     empty, metrics = rejection_mask(old, rollout, mask, [])
     torch.testing.assert_close(empty, mask)
     assert metrics["rejection/masked_token_fraction"] == 0.0

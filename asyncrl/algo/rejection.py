@@ -69,10 +69,14 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not math.isnan(value)
 
 
-def _as_criterion(item: RejectionCriterion | Sequence[object]) -> RejectionCriterion:
+def _as_criterion(item: object) -> RejectionCriterion:
+    """A RejectionCriterion from itself, a (name, lower, upper) triple, or any object with
+    those attributes (the config schema's own criterion record)."""
     if isinstance(item, RejectionCriterion):
         return item
-    if isinstance(item, str) or len(item) != 3:
+    if all(hasattr(item, a) for a in ("name", "lower", "upper")):
+        return RejectionCriterion(item.name, item.lower, item.upper)  # type: ignore[attr-defined]
+    if isinstance(item, str) or not isinstance(item, Sequence) or len(item) != 3:
         raise ValueError(f"a rejection criterion is (name, lower, upper); got {item!r}")
     name, lower, upper = item
     return RejectionCriterion(name, lower, upper)  # type: ignore[arg-type]
@@ -116,7 +120,10 @@ def rejection_mask(
     response_mask: torch.Tensor,
     criteria: Sequence[RejectionCriterion | tuple[str, float | None, float | None]],
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """A new response mask with every rejected token/sequence zeroed, and `rejection/` metrics."""
+    """A new response mask with every rejected token/sequence zeroed, and `rejection/` metrics.
+
+    `criteria` items: RejectionCriterion, (name, lower, upper), or any record with `name`,
+    `lower`, `upper` attributes (e.g. `algorithm.rollout_rs` entries)."""
     parsed = [_as_criterion(c) for c in criteria]
     names = [c.name for c in parsed]
     duplicates = sorted({n for n in names if names.count(n) > 1})

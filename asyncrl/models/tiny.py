@@ -231,7 +231,7 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        loss = float(out.loss)
+        loss = out.loss.item()
     model.eval()
     return loss
 

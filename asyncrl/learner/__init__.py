@@ -1,0 +1,1 @@
+"""Learners: recompute logprobs, correct with rollout IS, optimise the policy loss."""

@@ -1,0 +1,42 @@
+"""The learner interface and its factory (keyed on `actor_train.strategy_args.strategy_name`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.types import TrajectoryGroup
+
+
+class Learner(Protocol):
+    """What the loop needs from a training backend; `version` counts optimizer updates."""
+
+    version: int
+
+    def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """One policy update from a rollout batch; returns metrics; version += 1."""
+
+    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under Hugging Face names, in a stable order."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the learner (model, optimizer, scheduler, version)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+def make_learner(name: str, **kwargs: Any) -> Learner:
+    """Build the learner for a strategy name; heavy backends are imported only when chosen."""
+    if name == "fsdp2_train":
+        from asyncrl.learner.torch_learner import TorchLearner
+
+        return TorchLearner(**kwargs)
+    if name == "megatron_train":
+        from asyncrl.learner.megatron import MegatronLearner  # type: ignore[import-not-found]
+
+        return MegatronLearner(**kwargs)
+    raise ValueError(f"unknown learner strategy {name!r}; valid: fsdp2_train, megatron_train")

@@ -1,0 +1,265 @@
+"""The plain-PyTorch learner (`fsdp2_train`): the CPU default, also runs on one CUDA device.
+
+One `step` = one rollout batch: recompute the proximal logprobs (decoupled) or take the
+rollout ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → `ppo_epochs`
+passes of mini-batches, each one optimizer step accumulated over micro-batches → version += 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.algo.importance import apply_rollout_is, normalize_weights_to_batch_mean
+from asyncrl.algo.importance import select_old_log_prob
+from asyncrl.algo.kl import entropy_bonus, kl_loss
+from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams, get_policy_loss
+from asyncrl.algo.rejection import rejection_mask
+from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner.logprobs import batched_logprobs, select_rows, token_logprobs
+from asyncrl.types import TrajectoryGroup, collate
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TorchLearner:
+    """`Learner` over a transformers causal LM. Receives only its own sub-configs."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        train: WorkerConfig,
+        actor: ActorConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float,
+        total_steps: int,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.train, self.actor, self.algorithm = train, actor, algorithm
+        self.temperature, self.device, self.version = temperature, device, 0
+        dtype = DTYPES[train.model_args.dtype or "fp32"]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        if not train.model_args.disable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.reference = self._frozen_copy() if actor.use_kl_loss else None
+        self.optimizer = self._make_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda(total_steps))
+        self.loss_params = PolicyLossParams(
+            clip_ratio=actor.clip_ratio,
+            clip_ratio_low=actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            **{
+                k: getattr(actor.policy_loss, k)
+                for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+            },
+        )
+        self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
+
+    # -- construction helpers ----------------------------------------------------------------
+    def _frozen_copy(self) -> torch.nn.Module:
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        targs, optim = self.train.training_args, self.actor.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if optim.name == "sgd":
+            return torch.optim.SGD(params, lr=targs.learning_rate, weight_decay=targs.weight_decay)
+        return torch.optim.AdamW(
+            params,
+            lr=targs.learning_rate,
+            weight_decay=targs.weight_decay,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+        )
+
+    def _lr_lambda(self, total_steps: int):
+        targs, floor = self.train.training_args, self.actor.optim.min_lr_ratio
+        warmup, kind = targs.warmup_steps, targs.lr_scheduler_type
+        total = max(1, total_steps)
+
+        def factor(step: int) -> float:
+            if warmup and step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            if kind == "linear":
+                return floor + (1 - floor) * (1 - progress)
+            if kind == "cosine":
+                return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+            return 1.0
+
+        return factor
+
+    # -- the update --------------------------------------------------------------------------
+    def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        start = time.perf_counter()
+        data = collate(groups, self.pad_id).to_torch(self.device)
+        data["response_mask"] = data["response_mask"].float()
+        prep, metrics = self._prepare(data)
+        metrics.update(self._optimise(data, prep))
+        self.version += 1
+        metrics.update(
+            {
+                "learner/step_seconds": time.perf_counter() - start,
+                "learner/lr": self.scheduler.get_last_lr()[0],
+                "learner/tokens": float(data["response_mask"].sum()),
+                "learner/sequences": float(data["response_mask"].shape[0]),
+            }
+        )
+        return metrics
+
+    @torch.no_grad()
+    def _prepare(self, data: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, float]]:
+        """Old/reference logprobs, IS weights and the (rejection-filtered) loss mask."""
+        alg, infer_bs = self.algorithm, self.train.infer_batch_size
+        rollout = data["rollout_logprobs"]
+        mask = data["response_mask"]
+        self.model.eval()
+        recomputed = None
+        if alg.correction_mode == "decoupled":
+            recomputed = batched_logprobs(self.model, data, self.temperature, infer_bs)
+        old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
+        weights, metrics = apply_rollout_is(
+            old,
+            rollout,
+            mask,
+            rollout_is=alg.rollout_is,
+            rollout_is_level=alg.rollout_is_level,
+            rollout_is_mode=alg.rollout_is_mode,
+            rollout_is_threshold=alg.rollout_is_threshold,
+            rollout_is_threshold_lower=alg.rollout_is_threshold_lower,
+            rollout_is_veto_threshold=alg.rollout_is_veto_threshold,
+        )
+        if alg.rollout_rs:
+            criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
+            mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
+            metrics.update(rs_metrics)
+        if weights is not None and alg.rollout_is_batch_normalize:
+            weights = normalize_weights_to_batch_mean(weights, mask)
+        if self.actor.policy_loss.loss_mode in LOSSES_NEEDING_BEHAV:
+            weights = None  # the decoupled loss applies exp(prox - behav) itself
+        ref = None
+        if self.reference is not None:
+            ref = batched_logprobs(self.reference, data, self.temperature, infer_bs)
+        return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
+
+    def _optimise(self, data: dict[str, torch.Tensor], prep: dict[str, Any]) -> dict[str, float]:
+        rows = data["input_ids"].shape[0]
+        mini = self.actor.ppo_mini_batch_size or rows
+        gen = torch.Generator().manual_seed(self.version)
+        sums: dict[str, float] = {}
+        updates = 0
+        self.model.train()
+        for _ in range(self.actor.ppo_epochs):
+            order = torch.randperm(rows, generator=gen) if self.actor.shuffle else torch.arange(rows)
+            for start in range(0, rows, mini):
+                for key, value in self._mini_batch(data, prep, order[start : start + mini]).items():
+                    sums[key] = sums.get(key, 0.0) + value
+                updates += 1
+        return {k: v / max(1, updates) for k, v in sums.items()}
+
+    def _mini_batch(
+        self, data: dict[str, torch.Tensor], prep: dict[str, Any], rows: torch.Tensor
+    ) -> dict[str, float]:
+        """One optimizer step over `rows`, accumulated over micro-batches of the per-device size."""
+        micro = self.train.training_args.per_device_train_batch_size
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = {"tokens": prep["mask"][rows].sum().clamp(min=1.0), "seqs": float(len(rows))}
+        sums: dict[str, float] = {}
+        for start in range(0, len(rows), micro):
+            idx = rows[start : start + micro]
+            loss, metrics = self._micro_loss(data, prep, idx, totals)
+            loss.backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * len(idx) / len(rows)
+        max_norm = self.train.training_args.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm > 0 else float("inf")
+        )
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        sums["actor/grad_norm"] = float(norm)
+        self.scheduler.step()
+        return sums
+
+    def _micro_loss(
+        self,
+        data: dict[str, torch.Tensor],
+        prep: dict[str, Any],
+        idx: torch.Tensor,
+        totals: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        actor = self.actor
+        micro = select_rows(data, idx)
+        mask = prep["mask"][idx]
+        logp, entropy = token_logprobs(
+            self.model, micro, self.temperature, with_entropy=actor.entropy_coeff != 0
+        )
+        extra = {}
+        if actor.policy_loss.loss_mode in LOSSES_NEEDING_BEHAV:
+            extra["behav_log_prob"] = micro["rollout_logprobs"]
+        weights = prep["weights"][idx] if prep["weights"] is not None else None
+        loss, metrics = self.loss_fn(
+            logp, prep["old"][idx], micro["advantages"], mask, actor.loss_agg_mode,
+            self.loss_params, weights, **extra,
+        )  # fmt: skip
+        metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = float(loss.detach())
+        if entropy is not None:
+            bonus, mean_entropy = entropy_bonus(entropy, mask, actor.entropy_coeff, actor.loss_agg_mode)
+            loss = loss + bonus
+            metrics["actor/entropy"] = mean_entropy
+        if prep["ref"] is not None:
+            kl = kl_loss(logp, prep["ref"][idx], mask, actor.kl_loss_type, actor.loss_agg_mode)
+            loss = loss + actor.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = float(kl.detach())
+        # Aggregate over the whole mini-batch, not per micro-batch: token-mean weighs each
+        # micro-batch by its share of tokens, the sequence means by their share of sequences.
+        if actor.loss_agg_mode == "token-mean":
+            share = mask.sum() / totals["tokens"]
+        else:
+            share = len(idx) / totals["seqs"]
+        return loss * share, metrics
+
+    # -- weights and state -------------------------------------------------------------------
+    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.model.save_pretrained(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "reference": self.reference.state_dict() if self.reference is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.reference is not None and state.get("reference") is not None:
+            self.reference.load_state_dict(state["reference"])
+        self.version = int(state.get("version", self.version))

@@ -1,0 +1,251 @@
+"""The hf engine: a transformers causal LM behind a step-level dynamic batching scheduler.
+
+One scheduler thread owns the model. Each iteration, under `step_lock`:
+  1. admit: waiting requests (up to `max_batch_size` running in all) are prefilled together
+     (left-padded) and their KV joins the running batch -- new requests join at step
+     boundaries, they never wait for the current batch to drain;
+  2. decode: one token for every running row;
+  3. finished rows (stop token, max_new_tokens, context limit) leave the batch and are
+     answered.
+Control calls (pause/continue/abort/flush/weight load) take `step_lock`, so they act between
+steps and never see a half-done step. Lock order is always `step_lock` then `_cond`.
+
+Pause modes (SGLang's): `abort` finishes every running and waiting request now with
+finish_reason abort (partial output returned); `retract` drops the running rows' KV and puts
+them back at the head of the queue with their partial tokens and logprobs kept (after
+continue they are re-prefilled from prompt + partial output and carry on); `in_place` just
+stops stepping (KV kept). In every mode new requests queue until `resume()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import deque
+
+import torch
+from transformers import DynamicCache
+
+from asyncrl.rollout.hf_batch import KVBatch, Seq, merge, sample
+
+log = logging.getLogger(__name__)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class HFEngine:
+    def __init__(
+        self, model: torch.nn.Module, *, max_batch_size: int = 32, seed: int = 0
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        cfg = model.config
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(cfg.vocab_size)
+        self.eos_ids = _eos_ids(model)
+        self.weight_version = "default"
+        self.step_lock = threading.RLock()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting: deque[Seq] = deque()
+        self._batch: KVBatch | None = None
+        self._paused = False
+        self._stopping = False
+        self._seed_rng = random.Random(seed)
+        self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- called from other threads -------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def check(self, seq: Seq) -> None:
+        """Raise ValueError if the engine cannot serve `seq` (tokens, length, dead engine)."""
+        if self.error is not None:
+            raise RuntimeError(f"engine scheduler died: {self.error}")
+        bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids has token {bad[0]} outside vocab [0, {self.vocab_size})")
+        if not seq.prompt:
+            raise ValueError("input_ids is empty")
+        if len(seq.prompt) >= self.max_context:
+            raise ValueError(f"prompt of {len(seq.prompt)} tokens >= context {self.max_context}")
+
+    def submit(self, seq: Seq) -> None:
+        """Queue a request; it is answered through `seq.on_done` on the scheduler thread."""
+        self.check(seq)
+        with self._cond:
+            if seq.params.temperature > 0:
+                seed = seq.params.sampling_seed
+                seed = self._seed_rng.getrandbits(63) if seed is None else seed
+                seq.generator = torch.Generator().manual_seed(seed)
+            if seq.params.max_new_tokens == 0:
+                self._finish(seq, {"type": "length", "length": 0})
+                return
+            self._waiting.append(seq)
+            self._cond.notify_all()
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; expected one of {PAUSE_MODES}")
+        with self.step_lock, self._cond:
+            self._paused = True
+            if mode == "abort":
+                self._abort_where(lambda s: True, "aborted by pause_generation(abort)")
+            elif mode == "retract" and self._batch is not None:
+                self._waiting.extendleft(reversed(self._batch.seqs))
+                self._batch = None
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort one request by rid (None: all). Returns how many were aborted."""
+        with self.step_lock, self._cond:
+            return self._abort_where(lambda s: rid is None or s.rid == rid, "aborted by request")
+
+    def num_requests(self) -> int:
+        with self._cond:
+            running = 0 if self._batch is None else len(self._batch.seqs)
+            return running + len(self._waiting)
+
+    def flush_cache(self) -> bool:
+        """There is no prefix cache; succeeds iff nothing is running or waiting (as SGLang)."""
+        with self.step_lock:
+            return self.num_requests() == 0
+
+    # ---- scheduler thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                with self.step_lock:
+                    with self._cond:
+                        if self._paused:
+                            continue
+                        free = self.max_batch_size - (len(self._batch.seqs) if self._batch else 0)
+                        admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                    with torch.inference_mode():
+                        if admit:
+                            self._batch = merge(self._batch, self._prefill(admit))
+                        if self._batch is not None:
+                            self._decode()
+        except BaseException as e:  # a dead scheduler must fail requests, not hang them
+            log.exception("hf engine scheduler died")
+            self.error = e
+            with self._cond:
+                self._abort_where(lambda s: True, f"engine error: {type(e).__name__}: {e}")
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not self._stopping and (self._paused or not (self._waiting or self._batch)):
+                self._cond.wait()
+            return not self._stopping
+
+    def _forward(self, ids, mask, pos, kv):
+        cache = DynamicCache(kv) if kv else DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv = [(layer[0], layer[1]) for layer in out.past_key_values]
+        return out.logits[:, -1, :], kv
+
+    def _prefill(self, seqs: list[Seq]) -> KVBatch | None:
+        rows = [s.tokens() for s in seqs]  # retracted requests resume from their partial output
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, kv = self._forward(ids, mask, pos, None)
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        batch = KVBatch(seqs, kv, mask, lengths, torch.zeros_like(lengths))
+        return self._sample_and_retire(batch, logits)
+
+    def _decode(self) -> None:
+        b = self._batch
+        mask = torch.cat([b.mask, b.mask.new_ones(len(b.seqs), 1)], dim=1)
+        logits, kv = self._forward(b.last[:, None], mask, b.pos[:, None], b.kv)
+        b.kv, b.mask, b.pos = kv, mask, b.pos + 1
+        self._batch = self._sample_and_retire(b, logits)
+
+    def _sample_and_retire(self, b: KVBatch, logits: torch.Tensor) -> KVBatch | None:
+        tokens, lps = sample(logits, b.seqs)
+        b.last = torch.tensor(tokens, device=self.device)
+        keep = []
+        for i, (s, tok, lp) in enumerate(zip(b.seqs, tokens, lps)):
+            s.output_ids.append(tok)
+            s.logprobs.append(lp)
+            stop = tok in s.params.stop_token_ids or (
+                tok in self.eos_ids and not s.params.ignore_eos
+            )
+            if stop:
+                self._finish(s, {"type": "stop", "matched": tok})
+            elif len(s.output_ids) >= s.params.max_new_tokens:
+                self._finish(s, {"type": "length", "length": s.params.max_new_tokens})
+            elif len(s.prompt) + len(s.output_ids) >= self.max_context:
+                self._finish(s, {"type": "length", "length": len(s.output_ids)})
+            else:
+                keep.append(i)
+        return b.select(keep)
+
+    # ---- helpers (caller holds step_lock and/or _cond as noted) ---------------------------
+    def _abort_where(self, pred, message: str) -> int:
+        """Caller holds `_cond` (and `step_lock` unless the scheduler thread is dead)."""
+        n = 0
+        if self._batch is not None:
+            keep = [i for i, s in enumerate(self._batch.seqs) if not pred(s)]
+            for s in self._batch.seqs:
+                if pred(s):
+                    self._finish(s, {"type": "abort", "message": message})
+                    n += 1
+            self._batch = self._batch.select(keep)
+        for s in [s for s in self._waiting if pred(s)]:
+            self._waiting.remove(s)
+            self._finish(s, {"type": "abort", "message": message})
+            n += 1
+        return n
+
+    def _finish(self, seq: Seq, reason: dict) -> None:
+        seq.finish = reason
+        seq.weight_version = self.weight_version
+        try:
+            seq.on_done(seq)
+        except Exception:  # a broken callback must not kill the scheduler
+            log.exception("on_done callback failed for %s", seq.rid)
+
+
+def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)

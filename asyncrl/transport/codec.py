@@ -1,0 +1,376 @@
+"""Wire codec: a msgpack header plus the arrays as raw side buffers (vLLM v1's layout).
+
+A message is a list of frames. Frame 0 is a msgpack header, the array `[schema, kind, arrays,
+fields]`: `schema` is `SCHEMA_VERSION`, `kind` names the record (`"trajectory_group"`, or any
+name given to `encode_arrays`), `arrays` maps each array's name to `[lib, dtype, shape, frame]`
+and `fields` holds the plain values (str, int, float, bool, None, bytes, lists, str-keyed maps).
+Frames 1.. are the arrays' bytes, C order, little-endian, one frame per array, sent with
+`send_multipart(copy=False)` so large arrays are never copied into a Python bytes object.
+
+Decoding is typed and total: every input either yields a complete, validated record or raises
+one `DecodeError` with the reason. Nothing is unpickled: the header is plain msgpack decoded by
+msgspec against a fixed schema, extension types are refused, and array dtypes come from a fixed
+allowlist (no object dtypes). The header library is msgspec: it measured faster than the
+`msgpack` package on these headers (bench/codec_choice.py, bench/results/codec_choice.json).
+
+numpy arrays decode as read-only or frame-backed numpy views (no copy); torch tensors (any
+dtype in `TORCH_DTYPES`, bfloat16 and float8 included) decode as torch tensors, importing torch
+only when one arrives. This module imports neither torch nor Ray at load time.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from asyncrl.types import ARRAY_FIELDS, RecordError, TrajectoryGroup
+
+SCHEMA_VERSION = 1
+GROUP_KIND = "trajectory_group"
+#: Default limits on one message: all frames together, frame count, header frame alone.
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_FRAMES = 64
+MAX_HEADER_BYTES = 1 << 20
+_MAX_NDIM = 32
+_MAX_DEPTH = 32  # nesting of plain values in `fields`
+
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}  # fmt: skip
+TORCH_DTYPES: frozenset[str] = frozenset(NUMPY_DTYPES) | {
+    "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+}  # fmt: skip
+
+
+class DecodeError(ValueError):
+    """A message is not a valid record (malformed, truncated, oversized, wrong version/kind)."""
+
+
+class EncodeError(ValueError):
+    """A value cannot be put on the wire (unsupported type or dtype, over the size limit)."""
+
+
+class _ArraySpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    lib: str
+    dtype: str
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    frame: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    schema: int
+    kind: str
+    arrays: dict[str, _ArraySpec]
+    fields: dict[str, Any]
+
+
+def _enc_hook(value: Any) -> Any:
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _refuse_ext(code: int, data: memoryview) -> Any:
+    raise DecodeError(f"msgpack extension type {code} is not allowed")
+
+
+# Stateless, immutable configuration objects (each call keeps its state on the C stack), so
+# sharing them between threads is safe; they are constants, not mutable singletons.
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header, ext_hook=_refuse_ext)
+_ANY_DECODER = msgspec.msgpack.Decoder(ext_hook=_refuse_ext)
+
+
+# -- encode -------------------------------------------------------------------------------------
+def encode_arrays(
+    arrays: Mapping[str, Any],
+    fields: Mapping[str, Any] | None = None,
+    *,
+    kind: str = "arrays",
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    max_frames: int = MAX_FRAMES,
+) -> list[Any]:
+    """Frames for a message of named arrays (numpy or torch) plus plain `fields`.
+
+    Frame 0 is the header (bytes); the others are buffers that alias the arrays' memory when
+    they are already contiguous little-endian CPU arrays: do not mutate them until sent.
+    """
+    specs: dict[str, list[Any]] = {}
+    frames: list[Any] = [b""]
+    for name, value in arrays.items():
+        if not isinstance(name, str):
+            raise EncodeError(f"array names must be str, got {type(name).__name__}")
+        lib, dtype, shape, buf = _export(name, value)
+        frames.append(buf)
+        specs[name] = [lib, dtype, shape, len(frames) - 1]
+    fields = dict(fields or {})
+    problem = _plain_problem(fields, "fields", 0, encoding=True)
+    if problem:
+        raise EncodeError(problem)
+    try:
+        frames[0] = _ENCODER.encode([SCHEMA_VERSION, kind, specs, fields])
+    except (TypeError, ValueError, OverflowError) as e:
+        raise EncodeError(f"cannot encode header: {e}") from None
+    _check_limits(frames, max_bytes, max_frames, EncodeError)
+    return frames
+
+
+def encode_group(
+    group: TrajectoryGroup, *, max_bytes: int = MAX_MESSAGE_BYTES, max_frames: int = MAX_FRAMES
+) -> list[Any]:
+    """Frames for one TrajectoryGroup: a header and one frame per array field (8, or 9 with
+    advantages)."""
+    arrays = {name: getattr(group, name) for name, _ in ARRAY_FIELDS}
+    if arrays["advantages"] is None:
+        del arrays["advantages"]
+    fields = {
+        "group_id": group.group_id,
+        "finish_reasons": group.finish_reasons,
+        "metadata": group.metadata,
+    }
+    return encode_arrays(
+        arrays, fields, kind=GROUP_KIND, max_bytes=max_bytes, max_frames=max_frames
+    )
+
+
+def message_nbytes(frames: Sequence[Any]) -> int:
+    """Total bytes of a message's frames."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def _export(name: str, value: Any) -> tuple[str, str, list[int], Any]:
+    """(lib, dtype, shape, contiguous little-endian byte buffer) for one array."""
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _export_torch(name, value, torch)
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        raise EncodeError(f"array {name!r}: expected numpy or torch, got {type(value).__name__}")
+    if value.dtype.name not in NUMPY_DTYPES:
+        raise EncodeError(f"array {name!r}: dtype {value.dtype} is not supported on the wire")
+    wire = NUMPY_DTYPES[value.dtype.name]
+    arr = value if value.dtype == wire else value.astype(wire)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return "numpy", value.dtype.name, list(arr.shape), arr.reshape(-1).view(np.uint8)
+
+
+def _export_torch(name: str, t: Any, torch: Any) -> tuple[str, str, list[int], Any]:
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in TORCH_DTYPES or t.layout != torch.strided:
+        raise EncodeError(f"array {name!r}: torch {t.dtype} ({t.layout}) is not supported")
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        raise EncodeError("torch tensors are only encoded on little-endian hosts")
+    try:
+        t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    except RuntimeError as e:
+        raise EncodeError(f"array {name!r}: cannot bring tensor to host memory: {e}") from None
+    return "torch", dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _check_limits(frames: Sequence[Any], max_bytes: int, max_frames: int, error: type) -> None:
+    if len(frames) > max_frames:
+        raise error(f"message has {len(frames)} frames, limit is {max_frames}")
+    header = memoryview(frames[0]).nbytes
+    if header > MAX_HEADER_BYTES:
+        raise error(f"header is {header} bytes, limit is {MAX_HEADER_BYTES}")
+    total = message_nbytes(frames)
+    if total > max_bytes:
+        raise error(f"message is {total} bytes, limit is {max_bytes}")
+
+
+def _plain_problem(value: Any, where: str, depth: int, encoding: bool = False) -> str | None:
+    """Why `value` is not a plain wire value (None if it is); tuples and numpy scalars are
+    accepted when encoding (they arrive as lists and Python numbers)."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return None
+    if encoding and isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return None
+    if depth >= _MAX_DEPTH:
+        return f"{where}: nested deeper than {_MAX_DEPTH}"
+    if isinstance(value, list) or (encoding and isinstance(value, tuple)):
+        for i, item in enumerate(value):
+            if problem := _plain_problem(item, f"{where}[{i}]", depth + 1, encoding):
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where}: map key {key!r} is not a str"
+            if problem := _plain_problem(item, f"{where}.{key}", depth + 1, encoding):
+                return problem
+        return None
+    return f"{where}: {type(value).__name__} is not a plain wire value"
+
+
+# -- decode -------------------------------------------------------------------------------------
+def decode_arrays(
+    frames: Sequence[Any],
+    *,
+    kind: str | None = None,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    max_frames: int = MAX_FRAMES,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arrays, fields) of a message from `encode_arrays`; `kind`, if given, must match."""
+    header, views = _read(frames, kind, max_bytes, max_frames)
+    return _import_arrays(header.arrays, views), header.fields
+
+
+def decode_group(
+    frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES, max_frames: int = MAX_FRAMES
+) -> TrajectoryGroup:
+    """The TrajectoryGroup in `frames`, fully validated, or DecodeError."""
+    header, views = _read(frames, GROUP_KIND, max_bytes, max_frames)
+    _check_group_header(header)
+    arrays = _import_arrays(header.arrays, views)
+    f = header.fields
+    try:
+        return TrajectoryGroup(
+            group_id=f["group_id"],
+            finish_reasons=f["finish_reasons"],
+            metadata=f["metadata"],
+            advantages=arrays.pop("advantages", None),
+            **arrays,
+        )
+    except RecordError as e:
+        raise DecodeError(f"invalid trajectory group: {e}") from None
+
+
+def _read(
+    frames: Sequence[Any], kind: str | None, max_bytes: int, max_frames: int
+) -> tuple[_Header, list[memoryview]]:
+    """Size checks, the typed header, and one flat byte view per frame."""
+    if not isinstance(frames, list | tuple) or not frames:
+        raise DecodeError("a message is a non-empty list of frames")
+    views = [_byte_view(f, i) for i, f in enumerate(frames)]
+    _check_limits(views, max_bytes, max_frames, DecodeError)
+    header = _parse_header(views[0])
+    if kind is not None and header.kind != kind:
+        raise DecodeError(f"expected a {kind!r} message, got {header.kind!r}")
+    if problem := _plain_problem(header.fields, "fields", 0):
+        raise DecodeError(problem)
+    return header, views
+
+
+def _byte_view(frame: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(frame)
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    except TypeError:
+        raise DecodeError(f"frame {index} ({type(frame).__name__}) is not a byte buffer") from None
+
+
+def _parse_header(buf: memoryview) -> _Header:
+    try:
+        header = _HEADER_DECODER.decode(buf)
+    except (msgspec.DecodeError, RecursionError) as e:
+        version = _schema_of(buf)
+        if version is not None and version != SCHEMA_VERSION:
+            raise DecodeError(_version_msg(version)) from None
+        raise DecodeError(f"bad header: {e}") from None
+    if header.schema != SCHEMA_VERSION:
+        raise DecodeError(_version_msg(header.schema))
+    return header
+
+
+def _schema_of(buf: memoryview) -> Any:
+    """Best-effort schema version of a header that failed typed decoding (for the message)."""
+    try:
+        obj = _ANY_DECODER.decode(buf)
+    except (msgspec.DecodeError, RecursionError, DecodeError):
+        return None
+    return obj[0] if isinstance(obj, list) and obj and type(obj[0]) is int else None
+
+
+def _version_msg(version: int) -> str:
+    return f"schema version {version}, this decoder reads version {SCHEMA_VERSION}"
+
+
+def _import_arrays(specs: Mapping[str, _ArraySpec], views: list[memoryview]) -> dict[str, Any]:
+    """Map every side buffer to its array; each frame 1.. must be used exactly once."""
+    used: set[int] = set()
+    out: dict[str, Any] = {}
+    for name, spec in specs.items():
+        if spec.frame >= len(views) or spec.frame in used:
+            raise DecodeError(f"array {name!r}: frame {spec.frame} is missing or used twice")
+        used.add(spec.frame)
+        out[name] = _import_array(name, spec, views[spec.frame])
+    if len(used) != len(views) - 1:
+        raise DecodeError(f"{len(views) - 1 - len(used)} frame(s) belong to no array")
+    return out
+
+
+def _import_array(name: str, spec: _ArraySpec, view: memoryview) -> Any:
+    if len(spec.shape) > _MAX_NDIM:
+        raise DecodeError(f"array {name!r}: {len(spec.shape)} dimensions, limit is {_MAX_NDIM}")
+    count = math.prod(spec.shape)
+    if spec.lib == "numpy" and spec.dtype in NUMPY_DTYPES:
+        dtype = NUMPY_DTYPES[spec.dtype]
+        _check_nbytes(name, spec, count * dtype.itemsize, view)
+        return np.frombuffer(view, dtype=dtype).reshape(spec.shape)
+    if spec.lib == "torch" and spec.dtype in TORCH_DTYPES:
+        return _import_torch(name, spec, count, view)
+    raise DecodeError(f"array {name!r}: unsupported array type {spec.lib}/{spec.dtype}")
+
+
+def _check_nbytes(name: str, spec: _ArraySpec, expected: int, view: memoryview) -> None:
+    if view.nbytes != expected:
+        raise DecodeError(
+            f"array {name!r}: frame {spec.frame} has {view.nbytes} bytes, "
+            f"{spec.dtype}{tuple(spec.shape)} needs {expected}"
+        )
+
+
+def _import_torch(name: str, spec: _ArraySpec, count: int, view: memoryview) -> Any:
+    try:
+        import torch  # deferred: only a torch tensor on the wire needs torch
+    except ImportError:
+        raise DecodeError(f"array {name!r} is a torch tensor but torch is not installed") from None
+    dtype = getattr(torch, spec.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DecodeError(f"array {name!r}: this torch has no dtype {spec.dtype}")
+    _check_nbytes(name, spec, count * dtype.itemsize, view)
+    if count == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    # torch needs writable memory; a read-only frame (bytes) is copied once.
+    raw = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
+    return raw.view(dtype).reshape(spec.shape)
+
+
+_GROUP_DTYPES = {name: np.dtype(dtype).name for name, dtype in ARRAY_FIELDS}
+_GROUP_REQUIRED = frozenset(_GROUP_DTYPES) - {"advantages"}
+_GROUP_FIELDS = frozenset({"group_id", "finish_reasons", "metadata"})
+
+
+def _check_group_header(header: _Header) -> None:
+    """The header holds exactly a TrajectoryGroup's arrays (1-D numpy, exact dtypes) and fields."""
+    names = set(header.arrays)
+    if not _GROUP_REQUIRED <= names <= set(_GROUP_DTYPES):
+        missing, extra = _GROUP_REQUIRED - names, names - set(_GROUP_DTYPES)
+        raise DecodeError(f"group arrays: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, spec in header.arrays.items():
+        if spec.lib != "numpy" or spec.dtype != _GROUP_DTYPES[name] or len(spec.shape) != 1:
+            raise DecodeError(
+                f"group array {name!r}: expected 1-D numpy {_GROUP_DTYPES[name]}, "
+                f"got {len(spec.shape)}-D {spec.lib} {spec.dtype}"
+            )
+    f = header.fields
+    if set(f) != _GROUP_FIELDS:
+        raise DecodeError(f"group fields must be {sorted(_GROUP_FIELDS)}, got {sorted(f)}")
+    if not isinstance(f["group_id"], str):
+        raise DecodeError("group_id must be a str")
+    reasons = f["finish_reasons"]
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        raise DecodeError("finish_reasons must be a list of str")
+    if not isinstance(f["metadata"], dict):
+        raise DecodeError("metadata must be a map")
