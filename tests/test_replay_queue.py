@@ -240,6 +240,10 @@ def test_keyed_reservations_are_cleared_by_put_and_release():
     assert (m["running"], m["accepted"], m["unreserved"]) == (0, 3, 1)
     with pytest.raises(ReplayError, match="prompt keys"):
         queue.reserve(2, ["only-one"])
+    with pytest.raises(ReplayError, match="not a str"):
+        queue.reserve(3, "abc")
+    with pytest.raises(ReplayError, match="expected a TrajectoryGroup"):
+        queue.put({"group_id": "dict"})  # type: ignore[arg-type]
 
 
 def test_anonymous_reservations():
@@ -436,15 +440,17 @@ def test_load_drops_anonymous_reservations_and_rejects_bad_state():
 
 
 # -- property: random interleavings ---------------------------------------------------------
-OPS = st.sampled_from(["reserve", "put", "put", "put_flat", "take", "set_version", "release"])
+OPS = st.sampled_from(
+    ["reserve", "put", "put", "put_flat", "take", "learner_step", "set_version", "release"]
+)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     s=st.integers(0, 3),
     b=st.integers(1, 4),
-    max_depth=st.one_of(st.none(), st.integers(1, 12)),
-    steps=st.lists(st.tuples(OPS, st.integers(0, 5), st.integers(0, 3)), max_size=80),
+    max_depth=st.one_of(st.none(), st.integers(2, 12)),
+    steps=st.lists(st.tuples(OPS, st.integers(0, 5), st.integers(0, 3)), min_size=10, max_size=100),
 )
 def test_random_interleavings_keep_the_invariants(s, b, max_depth, steps):
     cfg = ReplayConfig(s, b, max_depth=max_depth, filters=(dapo_zero_variance,))
@@ -465,6 +471,11 @@ def test_random_interleavings_keep_the_invariants(s, b, max_depth, steps):
         elif op == "take":
             got = queue.take(1 + k % 2, v)
             assert got is None or all(0 <= staleness(g, v) <= s for g in got)
+        elif op == "learner_step":  # one batch, then publish new weights
+            got = queue.take(b, v) if max_depth is None or b <= max_depth else None
+            if got is not None:
+                assert all(0 <= staleness(g, v) <= s for g in got)
+                queue.set_version(v + 1)
         elif op == "set_version":
             queue.set_version(v + extra)
         elif op == "release" and reserved_at:

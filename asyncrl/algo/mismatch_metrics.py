@@ -22,24 +22,19 @@ import math
 
 import torch
 
+from asyncrl.algo import agg
+
 # exp(50) ≈ 5e21: far above any meaningful perplexity or k3 value, far below float64 overflow.
 METRIC_LOG_BOUND = 50.0
 QUANTILES: dict[str, float] = {"p25": 0.25, "p50": 0.50, "p75": 0.75, "p95": 0.95, "p99": 0.99}
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of `x` where `mask` (bool) is true, over `dim` (all dims when None)."""
-    kept = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def masked_mean(
     x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, empty: float = 0.0
 ) -> torch.Tensor:
     """Mean of `x` where `mask` (bool) is true; `empty` where nothing is valid."""
-    total = masked_sum(x, mask, dim)
+    mean = agg.masked_mean(x, mask, dim)
     count = mask.sum() if dim is None else mask.sum(dim)
-    mean = total / count.clamp(min=1).to(total.dtype)
     return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.algo import agg
 from asyncrl.algo import mismatch_metrics as mm
 from asyncrl.algo.importance import SAFETY_LOG_BOUND, check_choice, check_same_shape, log_ratio
 
@@ -98,7 +99,7 @@ def _statistic(lr: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor
     if scope == "token":
         return k
     if scope == "seq_sum":
-        return mm.masked_sum(k, valid, dim=-1)
+        return agg.masked_sum(k, valid, dim=-1)
     if scope == "seq_mean":
         return mm.masked_mean(k, valid, dim=-1)
     # seq_max: an empty row gets 0 (k2, k3 >= 0); it holds no valid token to reject anyway.

@@ -154,6 +154,8 @@ class ReplayQueue:
         """
         if k < 0:
             raise ReplayError(f"replay.reserve: k must be >= 0, got {k}")
+        if isinstance(prompt_keys, str):
+            raise ReplayError("replay.reserve: prompt_keys must be a sequence of keys, not a str")
         if prompt_keys is not None and len(prompt_keys) != k:
             raise ReplayError(f"replay.reserve: {len(prompt_keys)} prompt keys for k={k}")
         with self._cond:
@@ -194,6 +196,8 @@ class ReplayQueue:
         """Admit a finished group; returns True if it was buffered, False if a filter dropped
         it or it arrived already too stale (evicted). Either way its reservation is cleared.
         Raises DuplicateGroupError if the group id was already put (counted, nothing changed)."""
+        if not isinstance(group, TrajectoryGroup):
+            raise ReplayError(f"replay.put: expected a TrajectoryGroup, got {type(group).__name__}")
         # Filters are pure: run them before touching any state, so one that raises leaves the
         # queue as it was.
         dropped_by = next((filter_name(f) for f in self.config.filters if not f(group)), None)

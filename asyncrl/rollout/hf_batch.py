@@ -32,7 +32,12 @@ _NEUTRAL = {
     "logit_bias": (None, {}),
 }
 # Keys that only affect detokenisation or streaming: meaningless without a tokenizer.
-_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+_IGNORED = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+}
 
 
 class RequestError(ValueError):

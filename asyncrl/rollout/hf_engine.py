@@ -34,9 +34,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class HFEngine:
-    def __init__(
-        self, model: torch.nn.Module, *, max_batch_size: int = 32, seed: int = 0
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 32, seed: int = 0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -141,7 +139,9 @@ class HFEngine:
                         if self._paused:
                             continue
                         free = self.max_batch_size - (len(self._batch.seqs) if self._batch else 0)
-                        admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                        admit = [
+                            self._waiting.popleft() for _ in range(min(free, len(self._waiting)))
+                        ]
                     with torch.inference_mode():
                         if admit:
                             self._batch = merge(self._batch, self._prefill(admit))

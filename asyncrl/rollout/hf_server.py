@@ -300,7 +300,12 @@ def build_app(engine: HFEngine, info: dict) -> web.Application:
     return app
 
 
-DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
 
 
 def load_engine(args: argparse.Namespace) -> HFEngine:

@@ -313,13 +313,20 @@ def _import_arrays(specs: Mapping[str, _ArraySpec], views: list[memoryview]) -> 
 def _import_array(name: str, spec: _ArraySpec, view: memoryview) -> Any:
     if len(spec.shape) > _MAX_NDIM:
         raise DecodeError(f"array {name!r}: {len(spec.shape)} dimensions, limit is {_MAX_NDIM}")
+    if max(spec.shape, default=0) > view.nbytes and 0 not in spec.shape:
+        raise DecodeError(f"array {name!r}: shape {tuple(spec.shape)} exceeds its frame")
     count = math.prod(spec.shape)
-    if spec.lib == "numpy" and spec.dtype in NUMPY_DTYPES:
-        dtype = NUMPY_DTYPES[spec.dtype]
-        _check_nbytes(name, spec, count * dtype.itemsize, view)
-        return np.frombuffer(view, dtype=dtype).reshape(spec.shape)
-    if spec.lib == "torch" and spec.dtype in TORCH_DTYPES:
-        return _import_torch(name, spec, count, view)
+    try:
+        if spec.lib == "numpy" and spec.dtype in NUMPY_DTYPES:
+            dtype = NUMPY_DTYPES[spec.dtype]
+            _check_nbytes(name, spec, count * dtype.itemsize, view)
+            return np.frombuffer(view, dtype=dtype).reshape(spec.shape)
+        if spec.lib == "torch" and spec.dtype in TORCH_DTYPES:
+            return _import_torch(name, spec, count, view)
+    except (ValueError, RuntimeError) as e:  # e.g. an empty array whose shape overflows
+        if isinstance(e, DecodeError):
+            raise
+        raise DecodeError(f"array {name!r}: shape {tuple(spec.shape)}: {e}") from None
     raise DecodeError(f"array {name!r}: unsupported array type {spec.lib}/{spec.dtype}")
 
 

@@ -1,0 +1,55 @@
+"""Metric-key conventions shared by the training loop and the metrics package.
+
+The loop calls `MetricsLogger.log(step, metrics)` once per optimizer step with a flat
+`{name: number}` dict. These are the names the console view, the plots and the summary read;
+any other key is still written to every sink (JSONL, TensorBoard, W&B). A key that never
+appears is shown as "-" and gets no plot.
+
+Per-step values (what happened at this step):
+  `version`, `rollout/reward_mean`, `eval/accuracy` (a fraction in [0, 1], only on eval steps),
+  `replay/depth`, `throughput/tokens_per_s`, `learner/idle_frac` (a fraction in [0, 1]),
+  `sync/seconds`, `mismatch/mismatch_kl`, `mismatch/rollout_is_eff_sample_size`,
+  `replay/staleness_mean`, `replay/staleness_max`.
+
+Staleness histogram, two accepted forms (the first wins when both appear in a run):
+  `replay/staleness_hist/<k>`: groups trained *at this step* with staleness k (per-step counts;
+      the logger sums them over the run). `log(..., staleness_hist={k: n})` is the same thing.
+  `replay/lag_taken/<k>`: groups trained *so far* with staleness k (cumulative, as
+      `ReplayQueue.metrics()` reports it under the `replay/` prefix); the latest value counts.
+
+Cumulative counters (latest value counts, as `ReplayQueue.metrics()` reports them):
+  `replay/taken` (groups trained), `replay/evicted` (groups dropped as too stale).
+"""
+
+from __future__ import annotations
+
+VERSION = "version"
+REWARD = "rollout/reward_mean"
+ACCURACY = "eval/accuracy"
+DEPTH = "replay/depth"
+TOKENS_PER_S = "throughput/tokens_per_s"
+IDLE_FRAC = "learner/idle_frac"
+SYNC_SECONDS = "sync/seconds"
+MISMATCH_KL = "mismatch/mismatch_kl"
+ESS = "mismatch/rollout_is_eff_sample_size"
+STALENESS_MEAN = "replay/staleness_mean"
+STALENESS_MAX = "replay/staleness_max"
+STALENESS_HIST = "replay/staleness_hist/"
+LAG_TAKEN = "replay/lag_taken/"
+TAKEN = "replay/taken"
+EVICTED = "replay/evicted"
+
+#: Series the logger keeps in memory for plots and the summary (everything else is only
+#: written to the sinks and remembered as its latest value).
+SERIES = (REWARD, ACCURACY, TOKENS_PER_S, IDLE_FRAC, SYNC_SECONDS, MISMATCH_KL)
+
+#: Keys the JSONL row reserves for itself; a metric may not use them.
+RESERVED = ("step", "time", "timestamp")
+
+
+def hist_bin(key: str, prefix: str) -> int | None:
+    """The staleness k of `<prefix><k>`, or None when `key` is not such a key."""
+    if not key.startswith(prefix):
+        return None
+    tail = key[len(prefix) :]
+    return int(tail) if tail.isdigit() else None

@@ -1,0 +1,19 @@
+"""Transport: the wire codec (msgpack header + raw side buffers) and the ZMQ PUSH/PULL channel."""
+
+from asyncrl.transport.codec import (
+    DecodeError,
+    EncodeError,
+    decode_arrays,
+    decode_group,
+    encode_arrays,
+    encode_group,
+)
+
+__all__ = [
+    "DecodeError",
+    "EncodeError",
+    "decode_arrays",
+    "decode_group",
+    "encode_arrays",
+    "encode_group",
+]

@@ -1,0 +1,254 @@
+"""Learner side of the weight sync: one group, bucketed broadcasts, versions, timeouts.
+
+Protocol (SGLang's, slime's order):
+  init_group: learner = rank 0, engine i joins at rank_offset = 1 + sum(tp sizes before i),
+      world_size = 1 + sum(tp sizes). The HTTP `/init_weights_update_group` calls and the
+      learner's own join run concurrently (they rendezvous on the learner's TCPStore).
+  sync: pause engines (optional) -> per bucket: POST `/update_weights_from_distributed` to
+      every engine concurrently, then broadcast the bucket (src=0), then wait for every reply
+      -> resume. The version and the cache flush ride on the last bucket only, so an engine
+      never reports the new version with half of the new weights.
+
+Nothing here waits without a bound: HTTP waits share one per-bucket deadline and the group's
+collectives carry the same timeout, so a stalled engine ends in `WeightSyncError` naming it.
+After a failed sync the engines stay paused (their weights may be half updated) and the
+group is marked broken; call `init_group` again (or discard the engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.rollout.client import EngineClient, EngineError, free_port
+from asyncrl.weights.buckets import bucketize, dtype_name, flatten_bucket, tensor_nbytes
+from asyncrl.weights.group import broadcast, create_group, destroy_group
+
+__all__ = ["SyncStats", "WeightSender", "WeightSyncError", "bucketize"]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync or group set-up failed or stalled; the message names the engine(s)."""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    version: int
+    seconds: float
+    bytes: int
+    gb_per_s: float
+    buckets: int
+    tensors: int
+
+
+def _with_last(it: Iterable) -> Iterator[tuple[object, bool]]:
+    it = iter(it)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+def _in_thread(fn, *args) -> asyncio.Future:
+    """Run blocking `fn` in a daemon thread. Unlike `asyncio.to_thread`, a collective stuck
+    until its group timeout never holds up event-loop shutdown."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, daemon=True, name=f"weights-{fn.__name__}").start()
+    return fut
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+class WeightSender:
+    def __init__(self, *, group_name: str = "asyncrl_weights", timeout_s: float = 120.0) -> None:
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self.engines: list[EngineClient] = []
+        self._group = None
+        self._device = torch.device("cpu")
+        self._broken: str | None = None
+
+    async def init_group(
+        self,
+        engines: Sequence[EngineClient],
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str = "gloo",
+        timeout_s: float | None = None,
+        tp_sizes: Sequence[int] | None = None,
+    ) -> None:
+        """Form the group: this process is rank 0. Raises WeightSyncError naming failures."""
+        if self._group is not None:
+            await self.close()
+        timeout = timeout_s or self.timeout_s
+        tp_sizes = list(tp_sizes or [1] * len(engines))
+        if len(tp_sizes) != len(engines) or not engines or min(tp_sizes) < 1:
+            raise WeightSyncError("need >= 1 engine and one tp size >= 1 per engine")
+        port = master_port or free_port()
+        world = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+        calls = {
+            asyncio.create_task(
+                e.init_weights_update_group(
+                    master_address, port, off, world, self.group_name, backend, timeout + 10
+                )
+            ): e
+            for e, off in zip(engines, offsets)
+        }
+        mine = _in_thread(
+            create_group, backend, master_address, port, 0, world, self.group_name, timeout
+        )
+        await self._wait_all(calls, mine, timeout + 15, f"init of group {self.group_name!r}")
+        self._group, self.engines = mine.result(), list(engines)
+        self._device, self._broken = _device_for(backend), None
+
+    async def sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        bucket_bytes: int = 512 * 1024**2,
+        load_format: str | None = "flattened_bucket",
+        pause_mode: str | None = "abort",
+        dtype: torch.dtype | None = None,
+        flush_cache: bool = True,
+    ) -> SyncStats:
+        """Send full tensors under HF names (floating ones cast to `dtype` if given)."""
+        if self._group is None:
+            raise WeightSyncError("no weight update group: call init_group first")
+        if self._broken:
+            raise WeightSyncError(f"group broken by an earlier failure ({self._broken})")
+        if load_format not in (None, "flattened_bucket"):
+            raise WeightSyncError(f"unknown load_format {load_format!r}")
+        start, nbytes, nbuckets, ntensors = time.perf_counter(), 0, 0, 0
+        if pause_mode:
+            await self._control(lambda e: e.pause(pause_mode), f"pause({pause_mode})")
+        converted = ((n, self._prepare(t, dtype)) for n, t in named_tensors)
+        for bucket, last in _with_last(bucketize(converted, bucket_bytes)):
+            nbytes += await self._send_bucket(
+                bucket, version if last else None, load_format, flush_cache and last, nbuckets
+            )
+            nbuckets += 1
+            ntensors += len(bucket)
+        if pause_mode:
+            await self._control(lambda e: e.resume(), "continue_generation")
+        secs = time.perf_counter() - start
+        return SyncStats(version, secs, nbytes, nbytes / max(secs, 1e-9) / 1e9, nbuckets, ntensors)
+
+    async def close(self) -> None:
+        """Tear the group down on the engines (best effort) and here."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        calls = [e.destroy_weights_update_group(self.group_name) for e in self.engines]
+        await asyncio.gather(*calls, return_exceptions=True)
+        destroy_group(group)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _prepare(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=self._device, dtype=target).contiguous()
+
+    async def _send_bucket(self, bucket, version, load_format, flush, index: int) -> int:
+        names = [n for n, _ in bucket]
+        tensors = [t for _, t in bucket]
+        dtypes = [dtype_name(t.dtype) for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        payload = [flatten_bucket(tensors)] if load_format == "flattened_bucket" else tensors
+        calls = {
+            asyncio.create_task(
+                e.update_weights(
+                    names,
+                    dtypes,
+                    shapes,
+                    version,
+                    load_format,
+                    self.group_name,
+                    flush,
+                    timeout_s=self.timeout_s + 10,
+                )
+            ): e
+            for e in self.engines
+        }
+        sent = _in_thread(broadcast, payload, self._group)
+        await self._wait_all(calls, sent, self.timeout_s, f"bucket {index} ({len(names)} tensors)")
+        return sum(tensor_nbytes(t) for t in payload)
+
+    async def _wait_all(self, calls: dict, mine: asyncio.Future, timeout: float, what: str) -> None:
+        """Wait for every engine call and our own collective; fail fast, naming engines."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pending = set(calls) | {mine}
+        try:
+            while pending:
+                left = deadline - loop.time()
+                done, pending = await asyncio.wait(
+                    pending, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    urls = [calls[t].url for t in pending if t in calls] or ["<learner>"]
+                    raise self._fail(f"{what}: no reply within {timeout:.0f}s from {urls}", mine)
+                for t in done:
+                    exc = t.exception()
+                    if exc is None:
+                        continue
+                    if t is mine:
+                        urls = [calls[c].url for c in pending if c in calls]
+                        culprits = f"engines not done: {urls}" if urls else "all engines replied"
+                        raise self._fail(f"{what}: learner side failed ({culprits}): {exc}", mine)
+                    problem = exc.problem if isinstance(exc, EngineError) else repr(exc)
+                    raise self._fail(f"{what}: engine {calls[t].url} failed: {problem}", mine)
+        finally:
+            for t in pending:
+                if t is not mine:
+                    t.cancel()
+
+    def _fail(self, message: str, mine: asyncio.Future) -> WeightSyncError:
+        # Our collective still running (or failed) means the group is out of step for good.
+        if not mine.done() or mine.exception() is not None:
+            self._broken = message
+            if not mine.done():
+                mine.add_done_callback(lambda t: t.exception())  # silence "never retrieved"
+        return WeightSyncError(message)
+
+    async def _control(self, call, what: str) -> None:
+        async def one(e: EngineClient) -> None:
+            try:
+                await asyncio.wait_for(call(e), self.timeout_s)
+            except (EngineError, TimeoutError) as exc:
+                raise WeightSyncError(f"{what} failed on engine {e.url}: {exc}") from None
+
+        await asyncio.gather(*(one(e) for e in self.engines))

@@ -1,0 +1,257 @@
+"""Trajectory transport throughput: codec + ZMQ vs Ray actor calls vs raw ZMQ, side by side.
+
+For groups of 1k, 4k and 16k response tokens (n=8 responses, 256 prompt tokens, 13 bytes per
+token on the wire) it measures groups/s and GB/s of:
+
+- codec+zmq: a sender process encodes each group and PUSHes it (asyncrl.transport.zmq.Sender);
+  this process's Receiver thread decodes and validates it and the consumer `get`s it.
+- raw zmq: the same sender PUSHes the same frames, encoded once beforehand; this process only
+  `recv_multipart`s them (no decode, no queue). The ceiling for any codec on this channel.
+- ray: a Ray actor method takes the TrajectoryGroup as its argument; `ray.get` on every call
+  (ray sync, the baseline named in the issue), and with 32 calls in flight (ray pipelined).
+
+Targets: codec+zmq >= 10x ray (sync) and >= 0.8x raw zmq. Prints a table, writes
+bench/results/transport.json and transport.png.
+
+    python bench/transport.py [--quick] [--skip-ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from asyncrl.transport.codec import encode_group, message_nbytes
+from asyncrl.transport.zmq import Receiver, ReceiverConfig, Sender, SenderConfig
+from asyncrl.types import TrajectoryGroup
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SIZES = (1024, 4096, 16384)
+HWM = 128
+TARGET_RAY, TARGET_RAW = 10.0, 0.8
+
+
+def synthetic_group(tokens: int, n: int = 8, prompt: int = 256, seed: int = 0) -> TrajectoryGroup:
+    """A group of n responses with `tokens` response tokens in all (no advantages: rollout
+    actors send groups before the learner computes them)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.full(n, tokens // n, np.int32)
+    total = int(lengths.sum())
+    return TrajectoryGroup(
+        group_id=f"prompt-{seed:06d}",
+        prompt_ids=rng.integers(0, 150_000, prompt, dtype=np.int32),
+        response_lengths=lengths,
+        response_ids=rng.integers(0, 150_000, total, dtype=np.int32),
+        rollout_logprobs=-rng.exponential(1.0, total).astype(np.float32),
+        loss_mask=np.ones(total, np.uint8),
+        versions=np.full(total, 7, np.int32),
+        rewards=rng.random(n).astype(np.float32),
+        finish_reasons=["stop"] * n,
+        metadata={"task": "gsm8k", "prompt_index": seed},
+    )
+
+
+def _groups(tokens: int, k: int = 8) -> list[TrajectoryGroup]:
+    return [synthetic_group(tokens, seed=s) for s in range(k)]
+
+
+# -- sender side (a separate process, started with `--_sender MODE TOKENS COUNT PORT`) ----------
+def _sender_main(mode: str, tokens: int, count: int, port: int) -> None:
+    groups = _groups(tokens)
+    frames = [encode_group(g) for g in groups]
+    config = SenderConfig(port=port, hwm=HWM, send_timeout_s=120.0)
+    with Sender(config) as sender:
+        for i in range(count):
+            if mode == "codec":
+                sender.send(groups[i % len(groups)])
+            else:
+                sender.send_frames(frames[i % len(frames)])
+        time.sleep(1.0)  # linger=0: keep the socket open until the receiver has drained it
+
+
+def _spawn_sender(mode: str, tokens: int, count: int, port: int) -> subprocess.Popen:
+    args = [sys.executable, os.path.abspath(__file__), "--_sender", mode]
+    return subprocess.Popen([*args, str(tokens), str(count), str(port)])
+
+
+# -- receiver side ------------------------------------------------------------------------------
+def run_codec_zmq(tokens: int, count: int) -> float:
+    """Seconds per group, first record to last, through Sender -> Receiver.get."""
+    with Receiver(ReceiverConfig(hwm=HWM, queue_size=HWM)) as receiver:
+        proc = _spawn_sender("codec", tokens, count, receiver.port)
+        try:
+            receiver.get(timeout_s=60)
+            start = time.perf_counter()
+            for _ in range(count - 1):
+                receiver.get(timeout_s=60)
+            elapsed = time.perf_counter() - start
+        finally:
+            proc.wait(timeout=60)
+        assert receiver.stats().rejected == 0
+    return elapsed / (count - 1)
+
+
+def run_raw_zmq(tokens: int, count: int) -> float:
+    """Seconds per message through a bare PULL socket, same frames, no decode."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    proc = _spawn_sender("raw", tokens, count + 1, port)  # +1: the READY ping
+    try:
+        sock.recv_multipart(copy=False)  # ping
+        sock.recv_multipart(copy=False)
+        start = time.perf_counter()
+        for _ in range(count - 1):
+            sock.recv_multipart(copy=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        proc.wait(timeout=60)
+        sock.close(linger=0)
+        ctx.term()
+    return elapsed / (count - 1)
+
+
+def run_ray(tokens: int, count: int, in_flight: int) -> float:
+    """Seconds per actor call carrying one group; `in_flight` calls outstanding at a time."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def put(self, group: TrajectoryGroup) -> int:
+            return group.num_tokens
+
+    groups = _groups(tokens)
+    sink = Sink.remote()
+    ray.get(sink.put.remote(groups[0]))  # actor started and warm
+    start = time.perf_counter()
+    pending: list[Any] = []
+    for i in range(count):
+        pending.append(sink.put.remote(groups[i % len(groups)]))
+        if len(pending) >= in_flight:
+            ray.get(pending)
+            pending = []
+    ray.get(pending)
+    elapsed = time.perf_counter() - start
+    ray.kill(sink)
+    return elapsed / count
+
+
+# -- driver -------------------------------------------------------------------------------------
+def _measure(tokens: int, quick: bool, skip_ray: bool) -> dict[str, Any]:
+    scale = 0.1 if quick else 1.0
+    zmq_count = max(200, int(scale * 40_000 * 1024 / tokens ** 0.5 / 32))
+    ray_count = max(50, int(scale * 2000 * (1024 / tokens) ** 0.5))
+    nbytes = message_nbytes(encode_group(synthetic_group(tokens)))
+    sec = {
+        "codec_zmq": run_codec_zmq(tokens, zmq_count),
+        "raw_zmq": run_raw_zmq(tokens, zmq_count),
+    }
+    if not skip_ray:
+        sec["ray_sync"] = run_ray(tokens, ray_count, in_flight=1)
+        sec["ray_pipelined"] = run_ray(tokens, ray_count, in_flight=32)
+    row: dict[str, Any] = {"tokens": tokens, "bytes_per_group": nbytes}
+    row["count"] = {"zmq": zmq_count, "ray": 0 if skip_ray else ray_count}
+    for name, s in sec.items():
+        row[name] = {"groups_per_s": 1.0 / s, "gb_per_s": nbytes / s / 1e9}
+    row["vs_raw_zmq"] = sec["raw_zmq"] / sec["codec_zmq"]
+    if not skip_ray:
+        row["vs_ray_sync"] = sec["ray_sync"] / sec["codec_zmq"]
+        row["vs_ray_pipelined"] = sec["ray_pipelined"] / sec["codec_zmq"]
+    return row
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    methods = [m for m in ("codec_zmq", "raw_zmq", "ray_sync", "ray_pipelined") if m in rows[0]]
+    head = f"{'tokens':>6} {'KB/grp':>7} | " + " | ".join(f"{m:>19}" for m in methods)
+    print(head + " | vs raw | vs ray sync | vs ray pipe")
+    print(f"{'':>6} {'':>7} | " + " | ".join(f"{'grp/s':>10} {'GB/s':>8}" for _ in methods))
+    for r in rows:
+        cells = " | ".join(
+            f"{r[m]['groups_per_s']:>10.0f} {r[m]['gb_per_s']:>8.3f}" for m in methods
+        )
+        ratios = f" | {r['vs_raw_zmq']:>5.2f}x"
+        if "vs_ray_sync" in r:
+            ratios += f" | {r['vs_ray_sync']:>10.1f}x | {r['vs_ray_pipelined']:>10.1f}x"
+        print(f"{r['tokens']:>6} {r['bytes_per_group'] / 1024:>7.1f} | {cells}{ratios}")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in ("codec_zmq", "raw_zmq", "ray_sync", "ray_pipelined") if m in rows[0]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r[m]["groups_per_s"] for r in rows], width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['tokens'] // 1024}k tokens" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("groups / s (log)")
+    ax.set_title("TrajectoryGroup transport, n=8 (one sender, one receiver, loopback)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _start_ray() -> None:
+    import ray
+
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+        object_store_memory=512 << 20,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10x fewer messages")
+    parser.add_argument("--skip-ray", action="store_true", help="ZMQ rows only (no Ray start)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = parser.parse_args(argv)
+    if not args.skip_ray:
+        _start_ray()
+    try:
+        rows = [_measure(t, args.quick, args.skip_ray) for t in SIZES]
+    finally:
+        if not args.skip_ray:
+            import ray
+
+            ray.shutdown()
+    _print_table(rows)
+    result = {
+        "command": "python bench/transport.py " + " ".join(argv or sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "targets": {"vs_ray_sync": TARGET_RAY, "vs_raw_zmq": TARGET_RAW},
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "transport.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(rows, args.out / "transport.png")
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_sender":
+        _sender_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
