@@ -20,6 +20,7 @@ def run(cfg: Config) -> dict[str, Any]:
     from asyncrl.checkpoint import Checkpointer
     from asyncrl.learner.base import make_learner
     from asyncrl.metrics import MetricsLogger
+    from asyncrl.replay.filters import dapo_zero_variance
     from asyncrl.replay.queue import ReplayConfig, ReplayQueue
     from asyncrl.rollout.cluster import RolloutCluster, resolve_model
     from asyncrl.rollout.prompts import PromptSource
@@ -36,13 +37,16 @@ def run(cfg: Config) -> dict[str, Any]:
         temperature=gen.temperature, total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout,
         seed=cfg.seed,
     )  # fmt: skip
+    filters = (dapo_zero_variance,) if cfg.algorithm.filter_zero_variance_groups else ()
     queue = ReplayQueue(
-        ReplayConfig(max_staleness=cfg.async_.max_staleness, batch_size=cfg.rollout_batch_size)
+        ReplayConfig(cfg.async_.max_staleness, cfg.rollout_batch_size, filters=filters)
     )
     ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents)
     resumed = resume(ckpt, cfg, learner, queue, prompts)
-    logger = MetricsLogger(out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps)
-    with RolloutCluster(cfg, model_dir, queue, prompts, learner) as cluster:
+    logger = MetricsLogger(
+        out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=bool(resumed)
+    )
+    with logger, RolloutCluster(cfg, model_dir, queue, prompts, learner) as cluster:
         cluster.restore(resumed.get("outstanding", []))
         step = resumed.get("step", 0)
         logger.log(step, cluster.evaluate(step, learner.version))

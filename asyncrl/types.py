@@ -92,7 +92,7 @@ class TrajectoryGroup:
         if not isinstance(self.group_id, str) or not self.group_id:
             raise RecordError("group_id must be a non-empty string")
         gid = self.group_id
-        if (self.response_lengths < 0).any():
+        if _lowest(self.response_lengths) < 0:
             raise RecordError(f"group {gid}: negative response length")
         n, total = self.n, self.num_tokens
         for name, _ in TOKEN_FIELDS:
@@ -111,14 +111,16 @@ class TrajectoryGroup:
         self._check_values()
 
     def _check_values(self) -> None:
+        # min/max reductions rather than `(a < 0).any()`: no temporary array (hot decode path).
         gid = self.group_id
-        if (self.prompt_ids < 0).any() or (self.response_ids < 0).any():
+        if _lowest(self.prompt_ids) < 0 or _lowest(self.response_ids) < 0:
             raise RecordError(f"group {gid}: negative token id")
-        if (self.loss_mask > 1).any():
+        if self.loss_mask.size and self.loss_mask.max() > 1:
             raise RecordError(f"group {gid}: loss_mask must hold only 0 and 1")
-        if (self.versions < NOT_GENERATED).any():
+        if _lowest(self.versions) < NOT_GENERATED:
             raise RecordError(f"group {gid}: version below NOT_GENERATED ({NOT_GENERATED})")
-        if (self.versions[self.loss_mask == 1] == NOT_GENERATED).any():
+        # mask (0/1) > (version >= 0) exactly where a loss-masked-in token has no version.
+        if (self.loss_mask > (self.versions >= 0)).any():
             raise RecordError(f"group {gid}: a token with loss_mask 1 has no generating version")
         finite = [self.rollout_logprobs, self.rewards]
         if self.advantages is not None:
@@ -211,6 +213,10 @@ class TrajectoryGroup:
     def iter_responses(self) -> Iterator[dict[str, Any]]:
         for i in range(self.n):
             yield {name: self.response(i, name) for name, _ in TOKEN_FIELDS}
+
+
+def _lowest(a: np.ndarray) -> int:
+    return int(a.min()) if a.size else 0
 
 
 def _concat_field(responses: Sequence[Mapping[str, Any]], key: str, dtype: type) -> np.ndarray:

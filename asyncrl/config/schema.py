@@ -52,8 +52,9 @@ class TrainingArgs:
 
 @dataclass
 class DataArgs:
-    template: str = "native"
-    """Prompt construction: `native` applies the tokenizer's chat template; `none` tokenizes raw."""
+    template: Literal["native", "none"] = "none"
+    """Prompt construction: `native` applies the tokenizer's chat template; `none` tokenizes the
+    prompt text as is (the embedded task's format)."""
     file_name: list[str] = field(default_factory=list)
     """Training prompt files (JSON, JSONL, CSV, Parquet). Empty: the embedded synthetic task."""
     eval_file_name: list[str] = field(default_factory=list)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,8 @@ class ActorSettings:
     """The actor's own sub-config, assembled by the loop from the run config."""
 
     engine_urls: list[str]
-    transport_address: str
+    transport_host: str
+    transport_port: int
     tokenizer_path: str
     n: int = 8
     max_new_tokens: int = 32
@@ -75,14 +77,17 @@ class RolloutWorker:
 
         from asyncrl.rewards import get_reward_fn
         from asyncrl.rollout.client import EngineClient
-        from asyncrl.transport.zmq import PushSender
+        from asyncrl.transport.zmq import Sender, SenderConfig
 
         self.s = settings
         self.clients = [EngineClient(u, timeout=settings.request_timeout_s) for u in settings.engine_urls]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.reward_fn = get_reward_fn(settings.reward_fn)
-        self.sender = PushSender.connect(settings.transport_address)
+        # A ZMQ socket belongs to one thread: it is created and used only by this one worker.
+        self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-send")
+        config = SenderConfig(host=settings.transport_host, port=settings.transport_port)
+        self.sender = self._send_pool.submit(Sender, config).result()
 
     def _sampling_params(self, key: str, index: int) -> dict[str, Any]:
         s = self.s
@@ -112,7 +117,8 @@ class RolloutWorker:
         try:
             completions = await asyncio.gather(*(client.generate_one(r) for r in requests))
             group = self._build_group(item, completions)
-            await asyncio.to_thread(self.sender.send, group)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._send_pool, self.sender.send, group)
         except Exception as e:  # noqa: BLE001 - reported back for re-issue, with the reason
             return PromptResult(item.key, ok=False, error=f"{type(e).__name__}: {e}"[:300])
         return PromptResult(
@@ -168,7 +174,8 @@ class RolloutWorker:
         return adv[:, 0].numpy()
 
     def close(self) -> None:
-        self.sender.close()
+        self._send_pool.submit(self.sender.close).result()
+        self._send_pool.shutdown()
 
 
 def _plain(metadata: dict[str, Any]) -> dict[str, Any]:

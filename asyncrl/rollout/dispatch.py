@@ -27,10 +27,8 @@ class ActorPool(Protocol):
         """Start `items` on an actor; returns a handle for `poll`."""
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
-        """Finished submissions: (actor, handle, results or the exception that ended them)."""
-
-    def restart(self, actor: int) -> None:
-        """Replace a dead actor."""
+        """Finished submissions: (actor, handle, results or the exception that ended them).
+        The pool replaces a dead actor itself; its submissions come back as exceptions."""
 
 
 class Dispatcher:
@@ -46,7 +44,7 @@ class Dispatcher:
         self.pending: deque[PromptItem] = deque()  # reserved, to be (re-)issued first
         self.inflight: dict[str, tuple[int, PromptItem]] = {}
         self.handles: dict[Any, list[str]] = {}
-        self.counters = {"dispatched": 0, "reissued": 0, "failed_prompts": 0, "actor_restarts": 0}
+        self.counters = {"dispatched": 0, "reissued": 0, "failed_prompts": 0, "actor_failures": 0}
         self.last_error = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -117,8 +115,7 @@ class Dispatcher:
                 keys = self.handles.pop(handle, [])
                 if isinstance(outcome, Exception):
                     self.last_error = f"actor {actor}: {type(outcome).__name__}: {outcome}"[:300]
-                    self.pool.restart(actor)
-                    self.counters["actor_restarts"] += 1
+                    self.counters["actor_failures"] += 1
                     failed = keys
                 else:
                     failed = [r.key for r in outcome if not r.ok]

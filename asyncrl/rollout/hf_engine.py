@@ -126,9 +126,14 @@ class HFEngine:
             return running + len(self._waiting)
 
     def flush_cache(self) -> bool:
-        """There is no prefix cache; succeeds iff nothing is running or waiting (as SGLang)."""
-        with self.step_lock:
-            return self.num_requests() == 0
+        """There is no prefix cache to drop; refuse (False) while any request holds KV.
+
+        As SGLang: running requests -> refused (in_place pause keeps them running); after a
+        retract the queued requests hold no KV, so a paused engine may flush. Unpaused waiting
+        requests are about to run, so they count as running.
+        """
+        with self.step_lock, self._cond:
+            return self._batch is None and (self._paused or not self._waiting)
 
     # ---- scheduler thread ----------------------------------------------------------------
     def _run(self) -> None:

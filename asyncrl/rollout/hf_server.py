@@ -353,7 +353,13 @@ def main(argv: list[str] | None = None) -> None:
         "group_timeout_s": args.group_timeout_s,
     }
     try:
-        web.run_app(build_app(engine, info), host=args.host, port=args.port, print=None)
+        web.run_app(
+            build_app(engine, info),
+            host=args.host,
+            port=args.port,
+            print=None,
+            shutdown_timeout=1.0,
+        )
     finally:
         engine.stop()
 

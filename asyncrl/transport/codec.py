@@ -73,6 +73,25 @@ class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     fields: dict[str, Any]
 
 
+class _GroupFields(msgspec.Struct, forbid_unknown_fields=True):
+    group_id: str
+    finish_reasons: list[str]
+    metadata: dict[str, Any]
+
+
+class _GroupHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A TrajectoryGroup's header: the same layout as `_Header`, with `fields` typed."""
+
+    schema: int
+    kind: str
+    arrays: dict[str, _ArraySpec]
+    fields: _GroupFields
+
+
+# dtype -> wire name; a dtype lookup, because `np.dtype.name` is slow Python code.
+_WIRE_NAME: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
+
+
 def _enc_hook(value: Any) -> Any:
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
         return value.item()
@@ -87,6 +106,7 @@ def _refuse_ext(code: int, data: memoryview) -> Any:
 # sharing them between threads is safe; they are constants, not mutable singletons.
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _HEADER_DECODER = msgspec.msgpack.Decoder(_Header, ext_hook=_refuse_ext)
+_GROUP_DECODER = msgspec.msgpack.Decoder(_GroupHeader, ext_hook=_refuse_ext)
 _ANY_DECODER = msgspec.msgpack.Decoder(ext_hook=_refuse_ext)
 
 
@@ -104,24 +124,10 @@ def encode_arrays(
     Frame 0 is the header (bytes); the others are buffers that alias the arrays' memory when
     they are already contiguous little-endian CPU arrays: do not mutate them until sent.
     """
-    specs: dict[str, list[Any]] = {}
-    frames: list[Any] = [b""]
-    for name, value in arrays.items():
-        if not isinstance(name, str):
-            raise EncodeError(f"array names must be str, got {type(name).__name__}")
-        lib, dtype, shape, buf = _export(name, value)
-        frames.append(buf)
-        specs[name] = [lib, dtype, shape, len(frames) - 1]
     fields = dict(fields or {})
-    problem = _plain_problem(fields, "fields", 0, encoding=True)
-    if problem:
+    if problem := _plain_problem(fields, "fields", 0, encoding=True):
         raise EncodeError(problem)
-    try:
-        frames[0] = _ENCODER.encode([SCHEMA_VERSION, kind, specs, fields])
-    except (TypeError, ValueError, OverflowError) as e:
-        raise EncodeError(f"cannot encode header: {e}") from None
-    _check_limits(frames, max_bytes, max_frames, EncodeError)
-    return frames
+    return _encode(arrays, fields, kind, max_bytes, max_frames)
 
 
 def encode_group(
@@ -132,14 +138,38 @@ def encode_group(
     arrays = {name: getattr(group, name) for name, _ in ARRAY_FIELDS}
     if arrays["advantages"] is None:
         del arrays["advantages"]
+    # Only what the record's own validation does not already guarantee is checked here.
+    if not isinstance(group.group_id, str) or not all(type(r) is str for r in group.finish_reasons):
+        raise EncodeError("group_id and finish_reasons must be str")
+    if problem := _plain_problem(group.metadata, "metadata", 1, encoding=True):
+        raise EncodeError(problem)
     fields = {
         "group_id": group.group_id,
         "finish_reasons": group.finish_reasons,
         "metadata": group.metadata,
     }
-    return encode_arrays(
-        arrays, fields, kind=GROUP_KIND, max_bytes=max_bytes, max_frames=max_frames
-    )
+    return _encode(arrays, fields, GROUP_KIND, max_bytes, max_frames)
+
+
+def _encode(
+    arrays: Mapping[str, Any], fields: dict[str, Any], kind: str, max_bytes: int, max_frames: int
+) -> list[Any]:
+    specs: dict[str, list[Any]] = {}
+    frames: list[Any] = [b""]
+    for name, value in arrays.items():
+        if not isinstance(name, str):
+            raise EncodeError(f"array names must be str, got {type(name).__name__}")
+        lib, dtype, shape, buf = _export(name, value)
+        frames.append(buf)
+        specs[name] = [lib, dtype, shape, len(frames) - 1]
+    if len(frames) > max_frames:
+        raise EncodeError(f"message has {len(frames)} frames, limit is {max_frames}")
+    try:
+        frames[0] = _ENCODER.encode([SCHEMA_VERSION, kind, specs, fields])
+    except (TypeError, ValueError, OverflowError) as e:
+        raise EncodeError(f"cannot encode header: {e}") from None
+    _check_sizes([memoryview(f).nbytes for f in frames], max_bytes, EncodeError)
+    return frames
 
 
 def message_nbytes(frames: Sequence[Any]) -> int:
@@ -149,20 +179,24 @@ def message_nbytes(frames: Sequence[Any]) -> int:
 
 def _export(name: str, value: Any) -> tuple[str, str, list[int], Any]:
     """(lib, dtype, shape, contiguous little-endian byte buffer) for one array."""
-    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
-    if torch is not None and isinstance(value, torch.Tensor):
-        return _export_torch(name, value, torch)
-    if isinstance(value, np.generic):
+    if type(value) is not np.ndarray:
+        torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+        if torch is not None and isinstance(value, torch.Tensor):
+            return _export_torch(name, value, torch)
+        if not isinstance(value, np.ndarray | np.generic):
+            raise EncodeError(
+                f"array {name!r}: expected numpy or torch, got {type(value).__name__}"
+            )
         value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
-        raise EncodeError(f"array {name!r}: expected numpy or torch, got {type(value).__name__}")
-    if value.dtype.name not in NUMPY_DTYPES:
-        raise EncodeError(f"array {name!r}: dtype {value.dtype} is not supported on the wire")
-    wire = NUMPY_DTYPES[value.dtype.name]
-    arr = value if value.dtype == wire else value.astype(wire)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    return "numpy", value.dtype.name, list(arr.shape), arr.reshape(-1).view(np.uint8)
+    wire_name = _WIRE_NAME.get(value.dtype)
+    if wire_name is None:  # not an allowed dtype, or one in big-endian order
+        wire_name = _WIRE_NAME.get(value.dtype.newbyteorder("<"))
+        if wire_name is None:
+            raise EncodeError(f"array {name!r}: dtype {value.dtype} is not supported on the wire")
+        value = value.astype(NUMPY_DTYPES[wire_name])
+    if not value.flags.c_contiguous:
+        value = np.ascontiguousarray(value)
+    return "numpy", wire_name, list(value.shape), value.reshape(-1).view(np.uint8)
 
 
 def _export_torch(name: str, t: Any, torch: Any) -> tuple[str, str, list[int], Any]:
@@ -178,15 +212,11 @@ def _export_torch(name: str, t: Any, torch: Any) -> tuple[str, str, list[int], A
     return "torch", dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _check_limits(frames: Sequence[Any], max_bytes: int, max_frames: int, error: type) -> None:
-    if len(frames) > max_frames:
-        raise error(f"message has {len(frames)} frames, limit is {max_frames}")
-    header = memoryview(frames[0]).nbytes
-    if header > MAX_HEADER_BYTES:
-        raise error(f"header is {header} bytes, limit is {MAX_HEADER_BYTES}")
-    total = message_nbytes(frames)
-    if total > max_bytes:
-        raise error(f"message is {total} bytes, limit is {max_bytes}")
+def _check_sizes(sizes: list[int], max_bytes: int, error: type) -> None:
+    if sizes[0] > MAX_HEADER_BYTES:
+        raise error(f"header is {sizes[0]} bytes, limit is {MAX_HEADER_BYTES}")
+    if sum(sizes) > max_bytes:
+        raise error(f"message is {sum(sizes)} bytes, limit is {max_bytes}")
 
 
 def _plain_problem(value: Any, where: str, depth: int, encoding: bool = False) -> str | None:
@@ -222,7 +252,10 @@ def decode_arrays(
     max_frames: int = MAX_FRAMES,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arrays, fields) of a message from `encode_arrays`; `kind`, if given, must match."""
-    header, views = _read(frames, kind, max_bytes, max_frames)
+    views = _views(frames, max_bytes, max_frames)
+    header = _parse_header(views[0], _HEADER_DECODER, kind)
+    if problem := _plain_problem(header.fields, "fields", 0):
+        raise DecodeError(problem)
     return _import_arrays(header.arrays, views), header.fields
 
 
@@ -230,15 +263,17 @@ def decode_group(
     frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES, max_frames: int = MAX_FRAMES
 ) -> TrajectoryGroup:
     """The TrajectoryGroup in `frames`, fully validated, or DecodeError."""
-    header, views = _read(frames, GROUP_KIND, max_bytes, max_frames)
-    _check_group_header(header)
-    arrays = _import_arrays(header.arrays, views)
-    f = header.fields
+    views = _views(frames, max_bytes, max_frames)
+    header = _parse_header(views[0], _GROUP_DECODER, GROUP_KIND)
+    f = header.fields  # group_id, finish_reasons typed-checked by the decoder
+    if problem := _plain_problem(f.metadata, "metadata", 1):
+        raise DecodeError(problem)
+    arrays = _import_group_arrays(header.arrays, views)
     try:
         return TrajectoryGroup(
-            group_id=f["group_id"],
-            finish_reasons=f["finish_reasons"],
-            metadata=f["metadata"],
+            group_id=f.group_id,
+            finish_reasons=f.finish_reasons,
+            metadata=f.metadata,
             advantages=arrays.pop("advantages", None),
             **arrays,
         )
@@ -246,20 +281,15 @@ def decode_group(
         raise DecodeError(f"invalid trajectory group: {e}") from None
 
 
-def _read(
-    frames: Sequence[Any], kind: str | None, max_bytes: int, max_frames: int
-) -> tuple[_Header, list[memoryview]]:
-    """Size checks, the typed header, and one flat byte view per frame."""
+def _views(frames: Sequence[Any], max_bytes: int, max_frames: int) -> list[memoryview]:
+    """One flat byte view per frame, after the frame-count and size limits."""
     if not isinstance(frames, list | tuple) or not frames:
         raise DecodeError("a message is a non-empty list of frames")
+    if len(frames) > max_frames:
+        raise DecodeError(f"message has {len(frames)} frames, limit is {max_frames}")
     views = [_byte_view(f, i) for i, f in enumerate(frames)]
-    _check_limits(views, max_bytes, max_frames, DecodeError)
-    header = _parse_header(views[0])
-    if kind is not None and header.kind != kind:
-        raise DecodeError(f"expected a {kind!r} message, got {header.kind!r}")
-    if problem := _plain_problem(header.fields, "fields", 0):
-        raise DecodeError(problem)
-    return header, views
+    _check_sizes([v.nbytes for v in views], max_bytes, DecodeError)
+    return views
 
 
 def _byte_view(frame: Any, index: int) -> memoryview:
@@ -270,44 +300,51 @@ def _byte_view(frame: Any, index: int) -> memoryview:
         raise DecodeError(f"frame {index} ({type(frame).__name__}) is not a byte buffer") from None
 
 
-def _parse_header(buf: memoryview) -> _Header:
+def _parse_header(buf: memoryview, decoder: msgspec.msgpack.Decoder, kind: str | None) -> Any:
     try:
-        header = _HEADER_DECODER.decode(buf)
+        header = decoder.decode(buf)
     except (msgspec.DecodeError, RecursionError) as e:
-        version = _schema_of(buf)
-        if version is not None and version != SCHEMA_VERSION:
-            raise DecodeError(_version_msg(version)) from None
-        raise DecodeError(f"bad header: {e}") from None
+        raise DecodeError(_why_bad_header(buf, kind, e)) from None
     if header.schema != SCHEMA_VERSION:
         raise DecodeError(_version_msg(header.schema))
+    if kind is not None and header.kind != kind:
+        raise DecodeError(f"expected a {kind!r} message, got {header.kind!r}")
     return header
 
 
-def _schema_of(buf: memoryview) -> Any:
-    """Best-effort schema version of a header that failed typed decoding (for the message)."""
+def _why_bad_header(buf: memoryview, kind: str | None, error: Exception) -> str:
+    """For a header that failed typed decoding, name a wrong version or kind first."""
     try:
         obj = _ANY_DECODER.decode(buf)
     except (msgspec.DecodeError, RecursionError, DecodeError):
-        return None
-    return obj[0] if isinstance(obj, list) and obj and type(obj[0]) is int else None
+        return f"bad header: {error}"
+    if isinstance(obj, list) and len(obj) >= 2:
+        if type(obj[0]) is int and obj[0] != SCHEMA_VERSION:
+            return _version_msg(obj[0])
+        if kind is not None and isinstance(obj[1], str) and obj[1] != kind:
+            return f"expected a {kind!r} message, got {obj[1]!r}"
+    return f"bad header: {error}"
 
 
 def _version_msg(version: int) -> str:
     return f"schema version {version}, this decoder reads version {SCHEMA_VERSION}"
 
 
+def _frame_for(name: str, spec: _ArraySpec, views: list[memoryview], used: set[int]) -> memoryview:
+    if spec.frame >= len(views) or spec.frame in used:
+        raise DecodeError(f"array {name!r}: frame {spec.frame} is missing or used twice")
+    used.add(spec.frame)
+    return views[spec.frame]
+
+
 def _import_arrays(specs: Mapping[str, _ArraySpec], views: list[memoryview]) -> dict[str, Any]:
-    """Map every side buffer to its array; each frame 1.. must be used exactly once."""
+    """Map every side buffer to its array: frames 1.. are used exactly once each."""
+    if len(specs) != len(views) - 1:
+        raise DecodeError(f"{len(specs)} arrays but {len(views) - 1} side frames")
     used: set[int] = set()
-    out: dict[str, Any] = {}
-    for name, spec in specs.items():
-        if spec.frame >= len(views) or spec.frame in used:
-            raise DecodeError(f"array {name!r}: frame {spec.frame} is missing or used twice")
-        used.add(spec.frame)
-        out[name] = _import_array(name, spec, views[spec.frame])
-    if len(used) != len(views) - 1:
-        raise DecodeError(f"{len(views) - 1 - len(used)} frame(s) belong to no array")
-    return out
+    return {
+        name: _import_array(name, s, _frame_for(name, s, views, used)) for name, s in specs.items()
+    }
 
 
 def _import_array(name: str, spec: _ArraySpec, view: memoryview) -> Any:
@@ -354,30 +391,31 @@ def _import_torch(name: str, spec: _ArraySpec, count: int, view: memoryview) -> 
     return raw.view(dtype).reshape(spec.shape)
 
 
-_GROUP_DTYPES = {name: np.dtype(dtype).name for name, dtype in ARRAY_FIELDS}
-_GROUP_REQUIRED = frozenset(_GROUP_DTYPES) - {"advantages"}
-_GROUP_FIELDS = frozenset({"group_id", "finish_reasons", "metadata"})
+_GROUP_WIRE = {name: NUMPY_DTYPES[np.dtype(dtype).name] for name, dtype in ARRAY_FIELDS}
+_GROUP_WIRE_NAMES = {name: np.dtype(dtype).name for name, dtype in ARRAY_FIELDS}
+_GROUP_REQUIRED = frozenset(_GROUP_WIRE) - {"advantages"}
 
 
-def _check_group_header(header: _Header) -> None:
-    """The header holds exactly a TrajectoryGroup's arrays (1-D numpy, exact dtypes) and fields."""
-    names = set(header.arrays)
-    if not _GROUP_REQUIRED <= names <= set(_GROUP_DTYPES):
-        missing, extra = _GROUP_REQUIRED - names, names - set(_GROUP_DTYPES)
-        raise DecodeError(f"group arrays: missing {sorted(missing)}, unexpected {sorted(extra)}")
-    for name, spec in header.arrays.items():
-        if spec.lib != "numpy" or spec.dtype != _GROUP_DTYPES[name] or len(spec.shape) != 1:
+def _import_group_arrays(
+    specs: Mapping[str, _ArraySpec], views: list[memoryview]
+) -> dict[str, np.ndarray]:
+    """A TrajectoryGroup's arrays: exactly its fields, each 1-D numpy of its exact dtype."""
+    names = set(specs)
+    if not _GROUP_REQUIRED <= names <= _GROUP_WIRE.keys():
+        missing, extra = sorted(_GROUP_REQUIRED - names), sorted(names - _GROUP_WIRE.keys())
+        raise DecodeError(f"group arrays: missing {missing}, unexpected {extra}")
+    if len(specs) != len(views) - 1:
+        raise DecodeError(f"{len(specs)} arrays but {len(views) - 1} side frames")
+    used: set[int] = set()
+    out = {}
+    for name, spec in specs.items():
+        dtype = _GROUP_WIRE[name]
+        if spec.lib != "numpy" or spec.dtype != _GROUP_WIRE_NAMES[name] or len(spec.shape) != 1:
             raise DecodeError(
-                f"group array {name!r}: expected 1-D numpy {_GROUP_DTYPES[name]}, "
+                f"group array {name!r}: expected 1-D numpy {_GROUP_WIRE_NAMES[name]}, "
                 f"got {len(spec.shape)}-D {spec.lib} {spec.dtype}"
             )
-    f = header.fields
-    if set(f) != _GROUP_FIELDS:
-        raise DecodeError(f"group fields must be {sorted(_GROUP_FIELDS)}, got {sorted(f)}")
-    if not isinstance(f["group_id"], str):
-        raise DecodeError("group_id must be a str")
-    reasons = f["finish_reasons"]
-    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
-        raise DecodeError("finish_reasons must be a list of str")
-    if not isinstance(f["metadata"], dict):
-        raise DecodeError("metadata must be a map")
+        view = _frame_for(name, spec, views, used)
+        _check_nbytes(name, spec, spec.shape[0] * dtype.itemsize, view)
+        out[name] = np.frombuffer(view, dtype=dtype)
+    return out

@@ -1,0 +1,102 @@
+"""Rollout actors as Ray actors, behind the dispatcher's small `ActorPool` interface.
+
+An actor that dies (its process killed, an unhandled error) is replaced by a fresh one with the
+same settings; every submission it held comes back from `poll` as an exception so the
+dispatcher re-issues those prompts. Ray starts locally unless `RAY_ADDRESS` names a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.rollout.actor import ActorSettings, PromptItem, PromptResult, RolloutWorker
+
+
+class _RayRolloutActor:
+    """The Ray-side shell: one RolloutWorker per actor process, called concurrently (async)."""
+
+    def __init__(self, settings: ActorSettings) -> None:
+        self.worker = RolloutWorker(settings)
+
+    async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
+        return await self.worker.run_prompts(items)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def init_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # Actors take no CPU reservation: they are I/O-bound clients of the engines, and a
+        # 2-core laptop must still fit several of them.
+        ray.init(include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
+
+
+class RayActorPool:
+    def __init__(self, settings_for: Callable[[int], ActorSettings], num_actors: int) -> None:
+        import ray
+
+        init_ray()
+        self._ray = ray
+        self._cls = ray.remote(num_cpus=0, max_concurrency=1000)(_RayRolloutActor)
+        self._settings_for = settings_for
+        self.actors = [self._spawn(i) for i in range(num_actors)]
+        self.generation = [0] * num_actors
+        self.refs: dict[Any, tuple[int, int]] = {}  # ref -> (actor, generation)
+        self.restarts = 0
+
+    def _spawn(self, index: int) -> Any:
+        return self._cls.options(name=None).remote(self._settings_for(index))
+
+    def size(self) -> int:
+        return len(self.actors)
+
+    def submit(self, actor: int, items: list[PromptItem]) -> Any:
+        ref = self.actors[actor].run_prompts.remote(items)
+        self.refs[ref] = (actor, self.generation[actor])
+        return ref
+
+    def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
+        if not self.refs:
+            return []
+        ready, _ = self._ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout)
+        out = []
+        for ref in ready:
+            actor, gen = self.refs.pop(ref)
+            try:
+                outcome: Any = self._ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - RayActorError and task errors alike
+                outcome = e
+                if gen == self.generation[actor]:
+                    self._replace(actor)
+            out.append((actor, ref, outcome))
+        return out
+
+    def _replace(self, actor: int) -> None:
+        try:
+            self._ray.kill(self.actors[actor], no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        self.actors[actor] = self._spawn(actor)
+        self.generation[actor] += 1
+        self.restarts += 1
+
+    def pids(self) -> list[int]:
+        return self._ray.get([a.pid.remote() for a in self.actors])
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors = []

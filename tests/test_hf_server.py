@@ -1,0 +1,281 @@
+"""The hf engine server, as a real process, driven by the real EngineClient.
+
+One server (tiny random Qwen2, fp32) serves the whole module; the checks compare its logprobs
+with a from-scratch fp32 forward of the same model, so batching/padding/KV bugs show up as
+logprob mismatches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncrl.rollout.client import EngineClient, GenerateRequest, launch_hf_server
+
+EOS = 1
+LONG = 600  # tokens (>= ~1 ms each on any CPU): a pause 0.3 s in lands mid-generation
+
+
+def make_tiny_model(path, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=2048,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    return path, make_tiny_model(path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    handle = launch_hf_server(
+        tiny[0], dtype="fp32", max_batch_size=4, seed=7, extra_args=["--num-threads", "1"]
+    )
+    yield handle
+    handle.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_client(url, fn):
+    async with EngineClient(url, timeout=60, control_timeout=30) as c:
+        return await fn(c)
+
+
+def reference_logprobs(model, prompt, output, temperature):
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    n = len(prompt)
+    return [float(logp[n - 1 + j, t]) for j, t in enumerate(output)]
+
+
+def assert_logprobs_match(model, prompt, completion, temperature, atol=2e-4):
+    ref = reference_logprobs(model, prompt, completion.output_ids, temperature)
+    assert len(completion.output_logprobs) == len(completion.output_ids)
+    assert completion.output_logprobs == pytest.approx(ref, abs=atol)
+
+
+def test_single_and_concurrent_generation_logprobs(server, tiny):
+    model = tiny[1]
+    prompts = [[3, 4, 5], [7] * 11, [9, 10], [11, 12, 13, 14, 15], [2, 3], [20] * 6, [5], [8, 9]]
+    temps = [1.0, 0.7, 0.0, 1.3, 1.0, 0.5, 0.0, 2.0]
+    reqs = [
+        GenerateRequest(p, {"max_new_tokens": 10 + 3 * i, "temperature": t, "top_k": 20})
+        for i, (p, t) in enumerate(zip(prompts, temps))
+    ]
+    single = run(_with_client(server.url, lambda c: c.generate_one(reqs[0])))
+    assert_logprobs_match(model, prompts[0], single, temps[0])
+    # 8 concurrent requests, max batch 4: rows join and leave the running batch step by step.
+    outs = run(_with_client(server.url, lambda c: c.generate(reqs)))
+    for p, t, r, o in zip(prompts, temps, reqs, outs):
+        assert o.prompt_tokens == len(p) and o.weight_version == "default"
+        if o.finish_reason == "stop":
+            assert o.output_ids[-1] == EOS
+        else:
+            assert o.finish_reason == "length"
+            assert len(o.output_ids) == r.sampling_params["max_new_tokens"]
+        assert_logprobs_match(model, p, o, t)
+
+
+def test_batched_body_and_stop_token(server, tiny):
+    async def go(c):
+        body = {
+            "input_ids": [[3, 4], [5, 6, 7]],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
+        return await c._call("POST", "/generate", body)
+
+    status, data = run(_with_client(server.url, go))
+    assert status == 200 and isinstance(data, list) and len(data) == 2
+    first = data[0]["output_ids"]
+    meta = data[0]["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert [e[1] for e in meta["output_token_logprobs"]] == first
+    assert all(e[2] is None for e in meta["output_token_logprobs"])
+    # Stop on a token chosen from the greedy output: finish "stop", stop token included.
+    stop_tok = first[2]
+    req = GenerateRequest(
+        [3, 4], {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_tok]}
+    )
+    out = run(_with_client(server.url, lambda c: c.generate_one(req)))
+    assert out.finish_reason == "stop" and out.output_ids == first[: first.index(stop_tok) + 1]
+    assert_logprobs_match(tiny[1], [3, 4], out, 0.0)
+
+
+def test_determinism(server, tiny):
+    greedy = GenerateRequest([4, 5, 6], {"max_new_tokens": 12, "temperature": 0})
+    seeded = GenerateRequest([4, 5, 6], {"max_new_tokens": 12, "sampling_seed": 123})
+    a = run(_with_client(server.url, lambda c: c.generate([greedy, seeded, greedy, seeded])))
+    assert a[0].output_ids == a[2].output_ids and a[1].output_ids == a[3].output_ids
+    # Same server seed -> the same first sampled request, with no sampling_seed given.
+    from asyncrl.rollout.hf_batch import SamplingParams, Seq
+    from asyncrl.rollout.hf_engine import HFEngine
+
+    outs = []
+    for _ in range(2):
+        engine = HFEngine(tiny[1], max_batch_size=2, seed=11)
+        engine.start()
+        done = threading.Event()
+        seq = Seq("r", [4, 5, 6], SamplingParams(max_new_tokens=12), lambda s, d=done: d.set())
+        engine.submit(seq)
+        assert done.wait(30)
+        engine.stop()
+        outs.append(seq.output_ids)
+    assert outs[0] == outs[1]
+
+
+async def _pause_during(c, mode, n=LONG):
+    req = GenerateRequest([3, 4, 5], {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
+    task = asyncio.create_task(c.generate_one(req))
+    await asyncio.sleep(0.3)
+    assert not task.done(), "request finished before the pause: make LONG bigger"
+    await c.pause(mode)
+    flushed_while_paused = await c.flush_cache()
+    queued = asyncio.create_task(c.generate_one(GenerateRequest([6], {"max_new_tokens": 3})))
+    await asyncio.sleep(0.3)
+    assert not queued.done(), "a request ran while the engine was paused"
+    if mode == "abort":
+        out = await asyncio.wait_for(task, 5)  # aborted requests answer at once
+        await c.resume()
+    else:
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        await c.resume()
+        out = await task
+    assert (await queued).finish_reason == "length"
+    return out, flushed_while_paused
+
+
+def test_pause_abort(server, tiny):
+    out, flushed = run(_with_client(server.url, lambda c: _pause_during(c, "abort")))
+    assert out.finish_reason == "abort" and 0 < len(out.output_ids) < LONG
+    assert flushed  # nothing running after an abort
+    assert_logprobs_match(tiny[1], [3, 4, 5], out, 1.0)
+
+
+@pytest.mark.parametrize("mode,flush_ok", [("retract", True), ("in_place", False)])
+def test_pause_retract_and_in_place(server, tiny, mode, flush_ok):
+    out, flushed = run(_with_client(server.url, lambda c: _pause_during(c, mode)))
+    # retract freed the KV (flush allowed); in_place keeps it (flush refused, as SGLang)
+    assert flushed is flush_ok
+    assert out.finish_reason == "length" and len(out.output_ids) == LONG
+    assert_logprobs_match(tiny[1], [3, 4, 5], out, 1.0, atol=5e-4)
+
+
+def test_in_place_pause_stops_stepping(tiny):
+    from asyncrl.rollout.hf_batch import SamplingParams, Seq
+    from asyncrl.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(tiny[1], max_batch_size=2)
+    engine.start()
+    done = threading.Event()
+    seq = Seq("r", [3], SamplingParams(LONG, ignore_eos=True), lambda s: done.set())
+    engine.submit(seq)
+    time.sleep(0.2)
+    engine.pause("in_place")
+    n = len(seq.output_ids)
+    time.sleep(0.3)
+    assert 0 < n == len(seq.output_ids) < LONG and not engine.flush_cache()
+    engine.resume()
+    deadline = time.monotonic() + 10
+    while len(seq.output_ids) == n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(seq.output_ids) > n  # stepping again, from the kept KV
+    engine.abort()
+    assert done.wait(10) and seq.finish["type"] == "abort"
+    engine.stop()
+
+
+def test_flush_cache_refused_while_running(server):
+    async def go(c):
+        req = GenerateRequest([3], {"max_new_tokens": LONG, "ignore_eos": True})
+        task = asyncio.create_task(c.generate_one(req))
+        await asyncio.sleep(0.3)
+        during = await c.flush_cache()
+        await c.pause("abort")
+        await c.resume()
+        await task
+        return during, await c.flush_cache()
+
+    assert run(_with_client(server.url, go)) == (False, True)
+
+
+BAD_BODIES = [
+    ("/generate", b"{not json"),
+    ("/generate", b"[1, 2]"),
+    ("/generate", {}),
+    ("/generate", {"input_ids": "abc"}),
+    ("/generate", {"input_ids": []}),
+    ("/generate", {"input_ids": [1, "x"]}),
+    ("/generate", {"input_ids": [999]}),
+    ("/generate", {"text": "hello"}),
+    ("/generate", {"input_ids": [1], "stream": True}),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": -1}}),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}),
+    ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 4}}),
+    ("/generate", {"input_ids": [1], "return_logprob": True, "logprob_start_len": 0}),
+    ("/pause_generation", {"mode": "sideways"}),
+    ("/update_weights_from_distributed", {"names": ["a"]}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1"}),
+    ("/update_weight_version", {}),
+    ("/abort_request", {}),
+]
+
+
+@pytest.mark.parametrize(
+    "path,body", BAD_BODIES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD_BODIES)]
+)
+def test_malformed_requests_get_400(server, path, body):
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
+    reply = json.loads(err.value.read())
+    assert reply["code"] == 400 and "\n" not in reply["message"] and reply["message"]
+    assert run(_with_client(server.url, lambda c: c.health()))
+
+
+def test_info_and_weight_version_endpoints(server):
+    async def go(c):
+        status, info = await c._call("GET", "/get_model_info")
+        assert status == 200 and info["is_generation"] and "weight_version" in info
+        await c.update_weight_version(41)
+        assert await c.get_weight_version() == "41"
+        out = await c.generate_one(GenerateRequest([3], {"max_new_tokens": 2}))
+        assert out.weight_version == "41" and out.version == 41
+        await c.update_weight_version("default")
+        return await c._call("GET", "/health")
+
+    assert run(_with_client(server.url, go))[0] == 200
