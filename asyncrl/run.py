@@ -83,5 +83,7 @@ def resume(ckpt: Any, cfg: Config, learner: Any, queue: Any, prompts: Any) -> di
         prompts.load_state_dict(extra["prompts"])
         queue.load_state_dict(extra["queue"])
     queue.set_version(learner.version)
-    print(f"asyncrl: resumed from {path} at step {extra.get('step', '?')}, version {learner.version}")
+    print(
+        f"asyncrl: resumed from {path} at step {extra.get('step', '?')}, version {learner.version}"
+    )
     return extra

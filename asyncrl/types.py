@@ -227,11 +227,22 @@ def _concat_field(responses: Sequence[Mapping[str, Any]], key: str, dtype: type)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
+_DTYPES: dict[type, np.dtype] = {t: np.dtype(t) for _, t in ARRAY_FIELDS}
+
+
 def _as_1d(value: Any, dtype: type, name: str) -> np.ndarray:
+    want = _DTYPES[dtype]
+    if (  # fast path (decoded wire arrays): already what we keep, kept as is, no copy
+        type(value) is np.ndarray
+        and value.dtype == want
+        and value.ndim == 1
+        and value.flags.c_contiguous
+    ):
+        return value
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise RecordError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.dtype == dtype:  # fast path: decoded wire arrays already have the right dtype
+    if arr.dtype == want:
         return np.ascontiguousarray(arr)
     if arr.size and arr.dtype.kind not in "biuf":
         raise RecordError(f"{name} must be numeric, got dtype {arr.dtype}")

@@ -151,7 +151,7 @@ def run_ray(tokens: int, count: int, in_flight: int) -> float:
 # -- driver -------------------------------------------------------------------------------------
 def _measure(tokens: int, quick: bool, skip_ray: bool) -> dict[str, Any]:
     scale = 0.1 if quick else 1.0
-    zmq_count = max(200, int(scale * 40_000 * 1024 / tokens ** 0.5 / 32))
+    zmq_count = max(200, int(scale * 40_000 * 1024 / tokens**0.5 / 32))
     ray_count = max(50, int(scale * 2000 * (1024 / tokens) ** 0.5))
     nbytes = message_nbytes(encode_group(synthetic_group(tokens)))
     sec = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import pytest
 import torch
@@ -112,7 +113,10 @@ def test_step_updates_version_and_raises_advantaged_logprobs(model_dir):
         ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
         ["actor.use_kl_loss=true", "actor.entropy_coeff=0.01"],
         ["algorithm.rollout_is_level=sequence", "algorithm.rollout_is_mode=clip"],
-        ["algorithm.rollout_rs=[{name: token_k3, upper: 5.0}]", "algorithm.rollout_is_batch_normalize=true"],
+        [
+            "algorithm.rollout_rs=[{name: token_k3, upper: 5.0}]",
+            "algorithm.rollout_is_batch_normalize=true",
+        ],
         ["actor.ppo_mini_batch_size=2", "actor.shuffle=true", "actor.ppo_epochs=2"],
     ],
 )

@@ -34,7 +34,9 @@ class ArithmeticTask:
     def __post_init__(self) -> None:
         bad = [op for op in self.ops if op not in _OPS]
         if not self.ops or bad:
-            raise ValueError(f"ArithmeticTask.ops must be a non-empty subset of {_OPS}, got {self.ops}")
+            raise ValueError(
+                f"ArithmeticTask.ops must be a non-empty subset of {_OPS}, got {self.ops}"
+            )
         if self.digits < 1 or self.mul_digits < 1:
             raise ValueError("ArithmeticTask.digits and mul_digits must be >= 1")
         if not 0.0 < self.heldout_fraction < 1.0:

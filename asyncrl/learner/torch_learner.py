@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
-from asyncrl.algo.importance import apply_rollout_is, normalize_weights_to_batch_mean
-from asyncrl.algo.importance import select_old_log_prob
+from asyncrl.algo.importance import (
+    apply_rollout_is,
+    normalize_weights_to_batch_mean,
+    select_old_log_prob,
+)
 from asyncrl.algo.kl import entropy_bonus, kl_loss
 from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams, get_policy_loss
 from asyncrl.algo.rejection import rejection_mask
@@ -55,7 +58,9 @@ class TorchLearner:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.reference = self._frozen_copy() if actor.use_kl_loss else None
         self.optimizer = self._make_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda(total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, self._lr_lambda(total_steps)
+        )
         self.loss_params = PolicyLossParams(
             clip_ratio=actor.clip_ratio,
             clip_ratio_low=actor.clip_ratio_low,
@@ -63,7 +68,13 @@ class TorchLearner:
             clip_ratio_c=actor.clip_ratio_c,
             **{
                 k: getattr(actor.policy_loss, k)
-                for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+                for k in (
+                    "clip_cov_ratio",
+                    "clip_cov_lb",
+                    "clip_cov_ub",
+                    "kl_cov_ratio",
+                    "ppo_kl_coef",
+                )
             },
         )
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
@@ -166,7 +177,9 @@ class TorchLearner:
         updates = 0
         self.model.train()
         for _ in range(self.actor.ppo_epochs):
-            order = torch.randperm(rows, generator=gen) if self.actor.shuffle else torch.arange(rows)
+            order = (
+                torch.randperm(rows, generator=gen) if self.actor.shuffle else torch.arange(rows)
+            )
             for start in range(0, rows, mini):
                 for key, value in self._mini_batch(data, prep, order[start : start + mini]).items():
                     sums[key] = sums.get(key, 0.0) + value
@@ -221,7 +234,9 @@ class TorchLearner:
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = float(loss.detach())
         if entropy is not None:
-            bonus, mean_entropy = entropy_bonus(entropy, mask, actor.entropy_coeff, actor.loss_agg_mode)
+            bonus, mean_entropy = entropy_bonus(
+                entropy, mask, actor.entropy_coeff, actor.loss_agg_mode
+            )
             loss = loss + bonus
             metrics["actor/entropy"] = mean_entropy
         if prep["ref"] is not None:

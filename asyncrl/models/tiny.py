@@ -177,7 +177,9 @@ def _encode_examples(tokenizer: Any, spec: TinyModelSpec, rows: list[dict[str, s
     rng = random.Random(spec.seed)
     chat = {i for i in range(len(rows)) if rng.random() < spec.chat_fraction}
     raw = [r["prompt"] for r in rows]
-    texts = [render_prompts(tokenizer, [p], "native")[0] if i in chat else p for i, p in enumerate(raw)]
+    texts = [
+        render_prompts(tokenizer, [p], "native")[0] if i in chat else p for i, p in enumerate(raw)
+    ]
     prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
     examples = []
@@ -207,7 +209,9 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
 
     import torch
 
-    examples = _encode_examples(tokenizer, spec, make_rows(spec.task, "train", spec.train_rows, spec.seed))
+    examples = _encode_examples(
+        tokenizer, spec, make_rows(spec.task, "train", spec.train_rows, spec.seed)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def lr_at(step: int) -> float:
@@ -254,7 +258,9 @@ def build_embedded_model(out_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC
         "heldout_accuracy": evaluate_accuracy(model, tokenizer, heldout, template="none"),
     }
     if spec.chat_fraction > 0:
-        report["heldout_accuracy_chat"] = evaluate_accuracy(model, tokenizer, heldout, template="native")
+        report["heldout_accuracy_chat"] = evaluate_accuracy(
+            model, tokenizer, heldout, template="native"
+        )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / MARKER).write_text(json.dumps(report, indent=2) + "\n")

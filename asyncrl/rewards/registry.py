@@ -28,11 +28,15 @@ def reward_names() -> list[str]:
 def _import_path(spec: str) -> RewardFn:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise RewardError(f"reward {spec!r}: a dotted path must look like 'package.module:function'")
+        raise RewardError(
+            f"reward {spec!r}: a dotted path must look like 'package.module:function'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from None
+        raise RewardError(
+            f"reward {spec!r}: cannot import module {module_name!r} ({exc})"
+        ) from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise RewardError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")

@@ -71,23 +71,23 @@ def request_seed(seed: int, key: str, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-class RolloutWorker:
+class GroupBuilder:
+    """Prompt → scored TrajectoryGroup through the engines; no transport (the reference loop
+    of the equivalence test and the rollout actor share it)."""
+
     def __init__(self, settings: ActorSettings) -> None:
         from transformers import AutoTokenizer
 
         from asyncrl.rewards import get_reward_fn
         from asyncrl.rollout.client import EngineClient
-        from asyncrl.transport.zmq import Sender, SenderConfig
 
         self.s = settings
-        self.clients = [EngineClient(u, timeout=settings.request_timeout_s) for u in settings.engine_urls]
+        self.clients = [
+            EngineClient(u, timeout=settings.request_timeout_s) for u in settings.engine_urls
+        ]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.reward_fn = get_reward_fn(settings.reward_fn)
-        # A ZMQ socket belongs to one thread: it is created and used only by this one worker.
-        self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-send")
-        config = SenderConfig(host=settings.transport_host, port=settings.transport_port)
-        self.sender = self._send_pool.submit(Sender, config).result()
 
     def _sampling_params(self, key: str, index: int) -> dict[str, Any]:
         s = self.s
@@ -100,11 +100,8 @@ class RolloutWorker:
             "sampling_seed": request_seed(s.seed, key, index),
         }
 
-    async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
-        """Generate, score and push a group for every prompt; one result per prompt."""
-        return list(await asyncio.gather(*(self._one_prompt(item) for item in items)))
-
-    async def _one_prompt(self, item: PromptItem) -> PromptResult:
+    async def build(self, item: PromptItem) -> TrajectoryGroup:
+        """n concurrent requests for one prompt, scored, with group advantages."""
         client = self.clients[next(self._next_engine)]
         requests = [
             {
@@ -114,16 +111,8 @@ class RolloutWorker:
             }
             for i in range(self.s.n)
         ]
-        try:
-            completions = await asyncio.gather(*(client.generate_one(r) for r in requests))
-            group = self._build_group(item, completions)
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._send_pool, self.sender.send, group)
-        except Exception as e:  # noqa: BLE001 - reported back for re-issue, with the reason
-            return PromptResult(item.key, ok=False, error=f"{type(e).__name__}: {e}"[:300])
-        return PromptResult(
-            item.key, ok=True, tokens=group.num_tokens, reward_mean=float(group.rewards.mean())
-        )
+        completions = await asyncio.gather(*(client.generate_one(r) for r in requests))
+        return self._build_group(item, completions)
 
     def _build_group(self, item: PromptItem, completions: list[Any]) -> TrajectoryGroup:
         s = self.s
@@ -157,7 +146,9 @@ class RolloutWorker:
 
         lengths = [len(r["response_ids"]) for r in responses]
         s = self.s
-        penalty = overlong_penalty(lengths, s.max_new_tokens, s.overlong_buffer_len, s.overlong_penalty_factor)
+        penalty = overlong_penalty(
+            lengths, s.max_new_tokens, s.overlong_buffer_len, s.overlong_penalty_factor
+        )
         return penalty.numpy()
 
     def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
@@ -169,9 +160,41 @@ class RolloutWorker:
         scores = torch.as_tensor(rewards).unsqueeze(1)  # [n, 1]: one token carries the score
         params = AdvantageParams(norm_adv_by_std_in_grpo=self.s.norm_adv_by_std_in_grpo)
         adv, _ = compute_advantages(
-            self.s.adv_estimator, scores, torch.ones_like(scores), params, group_ids=[0] * len(rewards)
+            self.s.adv_estimator,
+            scores,
+            torch.ones_like(scores),
+            params,
+            group_ids=[0] * len(rewards),
         )
         return adv[:, 0].numpy()
+
+
+class RolloutWorker:
+    """The rollout actor's body: build groups and push them to the learner over ZMQ."""
+
+    def __init__(self, settings: ActorSettings) -> None:
+        from asyncrl.transport.zmq import Sender, SenderConfig
+
+        self.builder = GroupBuilder(settings)
+        # A ZMQ socket belongs to one thread: it is created and used only by this one worker.
+        self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-send")
+        config = SenderConfig(host=settings.transport_host, port=settings.transport_port)
+        self.sender = self._send_pool.submit(Sender, config).result()
+
+    async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
+        """Generate, score and push a group for every prompt; one result per prompt."""
+        return list(await asyncio.gather(*(self._one_prompt(item) for item in items)))
+
+    async def _one_prompt(self, item: PromptItem) -> PromptResult:
+        try:
+            group = await self.builder.build(item)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._send_pool, self.sender.send, group)
+        except Exception as e:  # noqa: BLE001 - reported back for re-issue, with the reason
+            return PromptResult(item.key, ok=False, error=f"{type(e).__name__}: {e}"[:300])
+        return PromptResult(
+            item.key, ok=True, tokens=group.num_tokens, reward_mean=float(group.rewards.mean())
+        )
 
     def close(self) -> None:
         self._send_pool.submit(self.sender.close).result()

@@ -31,7 +31,9 @@ def resolve_model(model_args: ModelArgs) -> Path:
     if model_args.model_name_or_path:
         path = Path(model_args.model_name_or_path)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model_name_or_path {path} is not a Hugging Face model directory")
+            raise FileNotFoundError(
+                f"model_name_or_path {path} is not a Hugging Face model directory"
+            )
         return path
     from asyncrl.models.tiny import ensure_embedded_model
 
@@ -55,7 +57,9 @@ class AsyncRunner:
 
 
 class RolloutCluster:
-    def __init__(self, cfg: Config, model_dir: Path, queue: Any, prompts: Any, learner: Any) -> None:
+    def __init__(
+        self, cfg: Config, model_dir: Path, queue: Any, prompts: Any, learner: Any
+    ) -> None:
         self.cfg, self.model_dir, self.queue, self.prompts = cfg, model_dir, queue, prompts
         self.learner = learner
         self.counters: Counter[str] = Counter()
@@ -85,7 +89,12 @@ class RolloutCluster:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self.queue.close()
-        for closer in (self.dispatcher.stop, self.pool.close, self.engines.stop, self.receiver.close):
+        for closer in (
+            self.dispatcher.stop,
+            self.pool.close,
+            self.engines.stop,
+            self.receiver.close,
+        ):
             try:
                 closer()
             except Exception as e:  # noqa: BLE001 - shutdown is best effort, report and go on
@@ -158,14 +167,19 @@ class RolloutCluster:
     def sync_weights(self, learner: Any) -> dict[str, float]:
         return self.engines.sync(learner)
 
-    def batch_metrics(self, groups: list[Any], version: int, idle: float, waited: float) -> dict[str, float]:
+    def batch_metrics(
+        self, groups: list[Any], version: int, idle: float, waited: float
+    ) -> dict[str, float]:
         now = time.perf_counter()
         elapsed, self._last_step_time = now - self._last_step_time, now
         lags = [version - 1 - g.min_version() for g in groups]  # staleness when trained on
         tokens = sum(g.num_tokens for g in groups)
         rewards = np.concatenate([g.rewards for g in groups])
+        versions = [g.max_version() for g in groups]
         out = {
             "version": float(version),
+            "rollout/policy_version_min": float(min(g.min_version() for g in groups)),
+            "rollout/policy_version_max": float(max(versions)),
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/response_length_mean": tokens / max(1, sum(g.n for g in groups)),
             "replay/staleness_mean": float(np.mean(lags)),
@@ -176,7 +190,9 @@ class RolloutCluster:
         }
         for lag, count in Counter(lags).items():
             out[f"replay/staleness_hist/{lag}"] = float(count)
-        out.update({f"replay/{k}": float(v) for k, v in self.queue.metrics().items() if "/" not in k})
+        out.update(
+            {f"replay/{k}": float(v) for k, v in self.queue.metrics().items() if "/" not in k}
+        )
         out.update(self.dispatcher.metrics())
         out.update(self.engines.metrics())
         out.update({f"rollout/{k}": float(v) for k, v in self.counters.items()})

@@ -157,9 +157,15 @@ class EngineSet:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self._reward = get_reward_fn(self.cfg.rollout.reward_fn)
         gen = self.cfg.actor_infer.generating_args
-        params = {"max_new_tokens": gen.max_new_tokens or self.cfg.response_length, "temperature": 0.0}
+        params = {
+            "max_new_tokens": gen.max_new_tokens or self.cfg.response_length,
+            "temperature": 0.0,
+        }
         requests = [
-            (self.clients[i % len(self.clients)], {"input_ids": it.prompt_ids, "sampling_params": params})
+            (
+                self.clients[i % len(self.clients)],
+                {"input_ids": it.prompt_ids, "sampling_params": params},
+            )
             for i, it in enumerate(items)
         ]
         outs = await asyncio.gather(*(c.generate_one(r) for c, r in requests))

@@ -103,6 +103,7 @@ class Sender:
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IPV6, int(":" in config.host))
+        self._timeout_ms = -1  # libzmq's SNDTIMEO default: block
         self.sent = 0
         self.bytes_sent = 0
         try:
@@ -133,7 +134,10 @@ class Sender:
     def _send(self, frames: Sequence[Any], timeout_s: float | None, why: str) -> None:
         # SNDTIMEO bounds the wait for HWM room; libzmq checks the HWM on a message's first
         # frame only, so a multipart message is either queued whole or not at all.
-        self._socket.setsockopt(zmq.SNDTIMEO, -1 if timeout_s is None else int(timeout_s * 1000))
+        timeout_ms = -1 if timeout_s is None else int(timeout_s * 1000)
+        if timeout_ms != self._timeout_ms:
+            self._socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            self._timeout_ms = timeout_ms
         try:
             self._socket.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -209,11 +213,16 @@ class Receiver(Generic[T]):
 
     # -- receiver thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        poll_ms = int(self.config.poll_interval_s * 1000)
+        # A receive timeout instead of a poll per message: one call per message on the hot path,
+        # and the stop flag is still looked at every poll interval.
+        self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(self.config.poll_interval_s * 1000)))
         try:
             while not self._stop.is_set():
-                if self._socket.poll(poll_ms, zmq.POLLIN):
-                    self._handle(self._socket.recv_multipart(copy=False))
+                try:
+                    frames = self._socket.recv_multipart(copy=False)
+                except zmq.Again:
+                    continue
+                self._handle(frames)
         except BaseException as e:  # surfaced to the consumer by `get`
             if not self._stop.is_set():
                 log.error("receiver %s failed: %r", self.address, e)
