@@ -71,56 +71,63 @@ def _sender_main(mode: str, tokens: int, count: int, port: int) -> None:
     frames = [encode_group(g) for g in groups]
     config = SenderConfig(port=port, hwm=HWM, send_timeout_s=120.0)
     with Sender(config) as sender:
+        cpu = time.process_time()
         for i in range(count):
             if mode == "codec":
                 sender.send(groups[i % len(groups)])
             else:
                 sender.send_frames(frames[i % len(frames)])
+        print(f"cpu_s={time.process_time() - cpu}", flush=True)
         time.sleep(1.0)  # linger=0: keep the socket open until the receiver has drained it
 
 
 def _spawn_sender(mode: str, tokens: int, count: int, port: int) -> subprocess.Popen:
     args = [sys.executable, os.path.abspath(__file__), "--_sender", mode]
-    return subprocess.Popen([*args, str(tokens), str(count), str(port)])
+    return subprocess.Popen([*args, str(tokens), str(count), str(port)], stdout=subprocess.PIPE)
 
 
-# -- receiver side ------------------------------------------------------------------------------
-def run_codec_zmq(tokens: int, count: int) -> float:
-    """Seconds per group, first record to last, through Sender -> Receiver.get."""
+def _sender_cpu(proc: subprocess.Popen) -> float:
+    out, _ = proc.communicate(timeout=120)
+    return float(out.decode().strip().rsplit("cpu_s=", 1)[1])
+
+
+# -- receiver side: each returns (wall seconds per group, CPU seconds per group, both sides) ----
+def run_codec_zmq(tokens: int, count: int) -> tuple[float, float]:
+    """First record to last, through Sender.send -> Receiver thread (decode) -> Receiver.get."""
     with Receiver(ReceiverConfig(hwm=HWM, queue_size=HWM)) as receiver:
         proc = _spawn_sender("codec", tokens, count, receiver.port)
         try:
             receiver.get(timeout_s=60)
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(count - 1):
                 receiver.get(timeout_s=60)
-            elapsed = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         finally:
-            proc.wait(timeout=60)
+            sender_cpu = _sender_cpu(proc)
         assert receiver.stats().rejected == 0
-    return elapsed / (count - 1)
+    return wall / (count - 1), (cpu + sender_cpu) / count
 
 
-def run_raw_zmq(tokens: int, count: int) -> float:
-    """Seconds per message through a bare PULL socket, same frames, no decode."""
+def run_raw_zmq(tokens: int, count: int) -> tuple[float, float]:
+    """The same frames, pre-encoded, through a bare PULL socket: no decode, no thread."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    proc = _spawn_sender("raw", tokens, count + 1, port)  # +1: the READY ping
+    proc = _spawn_sender("raw", tokens, count, port)
     try:
-        sock.recv_multipart(copy=False)  # ping
+        sock.recv_multipart(copy=False)  # the READY ping
         sock.recv_multipart(copy=False)
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(count - 1):
             sock.recv_multipart(copy=False)
-        elapsed = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
-        proc.wait(timeout=60)
+        sender_cpu = _sender_cpu(proc)
         sock.close(linger=0)
         ctx.term()
-    return elapsed / (count - 1)
+    return wall / (count - 1), (cpu + sender_cpu) / count
 
 
 def run_ray(tokens: int, count: int, in_flight: int) -> float:
@@ -149,23 +156,34 @@ def run_ray(tokens: int, count: int, in_flight: int) -> float:
 
 
 # -- driver -------------------------------------------------------------------------------------
-def _measure(tokens: int, quick: bool, skip_ray: bool) -> dict[str, Any]:
-    scale = 0.1 if quick else 1.0
-    zmq_count = max(200, int(scale * 40_000 * 1024 / tokens**0.5 / 32))
-    ray_count = max(50, int(scale * 2000 * (1024 / tokens) ** 0.5))
+def _measure(tokens: int, quick: bool, skip_ray: bool, repeats: int) -> dict[str, Any]:
+    """One row: the ZMQ methods alternate `repeats` times (the machine's load drifts); the
+    median trial of each is reported, every trial is kept."""
+    zmq_count = int((0.2 if quick else 1.0) * 8000 * (1024 / tokens) ** 0.5)
+    ray_count = int((0.1 if quick else 1.0) * 2000 * (1024 / tokens) ** 0.5)
     nbytes = message_nbytes(encode_group(synthetic_group(tokens)))
-    sec = {
-        "codec_zmq": run_codec_zmq(tokens, zmq_count),
-        "raw_zmq": run_raw_zmq(tokens, zmq_count),
-    }
+    trials: dict[str, list[tuple[float, float]]] = {"codec_zmq": [], "raw_zmq": []}
+    for _ in range(repeats):
+        trials["codec_zmq"].append(run_codec_zmq(tokens, zmq_count))
+        trials["raw_zmq"].append(run_raw_zmq(tokens, zmq_count))
     if not skip_ray:
-        sec["ray_sync"] = run_ray(tokens, ray_count, in_flight=1)
-        sec["ray_pipelined"] = run_ray(tokens, ray_count, in_flight=32)
+        trials["ray_sync"] = [(run_ray(tokens, ray_count, in_flight=1), float("nan"))]
+        trials["ray_pipelined"] = [(run_ray(tokens, ray_count, in_flight=32), float("nan"))]
     row: dict[str, Any] = {"tokens": tokens, "bytes_per_group": nbytes}
-    row["count"] = {"zmq": zmq_count, "ray": 0 if skip_ray else ray_count}
-    for name, s in sec.items():
-        row[name] = {"groups_per_s": 1.0 / s, "gb_per_s": nbytes / s / 1e9}
+    row["count"] = {"zmq": zmq_count, "ray": 0 if skip_ray else ray_count, "repeats": repeats}
+    sec = {}
+    for name, runs in trials.items():
+        sec[name] = float(np.median([w for w, _ in runs]))
+        row[name] = {
+            "groups_per_s": 1.0 / sec[name],
+            "gb_per_s": nbytes / sec[name] / 1e9,
+            "cpu_us_per_group": float(np.median([c for _, c in runs])) * 1e6,
+            "trials_groups_per_s": [1.0 / w for w, _ in runs],
+        }
     row["vs_raw_zmq"] = sec["raw_zmq"] / sec["codec_zmq"]
+    row["cpu_vs_raw_zmq"] = (
+        row["raw_zmq"]["cpu_us_per_group"] / row["codec_zmq"]["cpu_us_per_group"]
+    )
     if not skip_ray:
         row["vs_ray_sync"] = sec["ray_sync"] / sec["codec_zmq"]
         row["vs_ray_pipelined"] = sec["ray_pipelined"] / sec["codec_zmq"]
@@ -175,13 +193,13 @@ def _measure(tokens: int, quick: bool, skip_ray: bool) -> dict[str, Any]:
 def _print_table(rows: list[dict[str, Any]]) -> None:
     methods = [m for m in ("codec_zmq", "raw_zmq", "ray_sync", "ray_pipelined") if m in rows[0]]
     head = f"{'tokens':>6} {'KB/grp':>7} | " + " | ".join(f"{m:>19}" for m in methods)
-    print(head + " | vs raw | vs ray sync | vs ray pipe")
+    print(head + " | vs raw (cpu/group) | vs ray sync | vs ray pipe")
     print(f"{'':>6} {'':>7} | " + " | ".join(f"{'grp/s':>10} {'GB/s':>8}" for _ in methods))
     for r in rows:
         cells = " | ".join(
             f"{r[m]['groups_per_s']:>10.0f} {r[m]['gb_per_s']:>8.3f}" for m in methods
         )
-        ratios = f" | {r['vs_raw_zmq']:>5.2f}x"
+        ratios = f" | {r['vs_raw_zmq']:>5.2f}x ({r['cpu_vs_raw_zmq']:.2f}x cpu)"
         if "vs_ray_sync" in r:
             ratios += f" | {r['vs_ray_sync']:>10.1f}x | {r['vs_ray_pipelined']:>10.1f}x"
         print(f"{r['tokens']:>6} {r['bytes_per_group'] / 1024:>7.1f} | {cells}{ratios}")
@@ -214,6 +232,7 @@ def _start_ray() -> None:
     import ray
 
     ray.init(
+        address="local",  # always a fresh local instance, never someone else's cluster
         num_cpus=1,
         include_dashboard=False,
         log_to_driver=False,
@@ -227,11 +246,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="10x fewer messages")
     parser.add_argument("--skip-ray", action="store_true", help="ZMQ rows only (no Ray start)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    parser.add_argument("--repeats", type=int, default=None, help="trials per ZMQ method")
     args = parser.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 3)
     if not args.skip_ray:
         _start_ray()
     try:
-        rows = [_measure(t, args.quick, args.skip_ray) for t in SIZES]
+        rows = [_measure(t, args.quick, args.skip_ray, repeats) for t in SIZES]
     finally:
         if not args.skip_ray:
             import ray

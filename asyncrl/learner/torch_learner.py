@@ -119,6 +119,8 @@ class TorchLearner:
     # -- the update --------------------------------------------------------------------------
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         start = time.perf_counter()
+        # Canonical order: the batch (and so every float sum) does not depend on arrival order.
+        groups = sorted(groups, key=lambda g: g.group_id)
         data = collate(groups, self.pad_id).to_torch(self.device)
         data["response_mask"] = data["response_mask"].float()
         prep, metrics = self._prepare(data)

@@ -40,6 +40,32 @@ def resolve_model(model_args: ModelArgs) -> Path:
     return ensure_embedded_model()
 
 
+def actor_settings(
+    cfg: Config, model_dir: Path, engine_urls: list[str], host: str, port: int
+) -> ActorSettings:
+    """The rollout actor's own sub-config, cut from the run config."""
+    gen = cfg.actor_infer.generating_args
+    return ActorSettings(
+        engine_urls=engine_urls,
+        transport_host=host,
+        transport_port=port,
+        tokenizer_path=str(model_dir),
+        n=cfg.num_return_sequences_in_group,
+        max_new_tokens=gen.max_new_tokens or cfg.response_length,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        stop_token_ids=list(gen.stop_token_ids),
+        reward_fn=cfg.rollout.reward_fn,
+        adv_estimator=cfg.algorithm.adv_estimator,
+        norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        overlong_buffer_len=cfg.algorithm.overlong_buffer_len,
+        overlong_penalty_factor=cfg.algorithm.overlong_penalty_factor,
+        request_timeout_s=cfg.rollout.request_timeout_s,
+        seed=cfg.seed,
+    )
+
+
 class AsyncRunner:
     """An event loop in a thread, for the control plane (weight sync, health, evaluation)."""
 
@@ -103,25 +129,9 @@ class RolloutCluster:
         self.runner.close()
 
     def _actor_settings(self, index: int) -> ActorSettings:
-        cfg, gen = self.cfg, self.cfg.actor_infer.generating_args
-        return ActorSettings(
-            engine_urls=self.engines.urls_for_actor(index, self.cfg.rollout.num_actors),
-            transport_host=self.receiver_host(),
-            transport_port=self.receiver.port,
-            tokenizer_path=str(self.model_dir),
-            n=cfg.num_return_sequences_in_group,
-            max_new_tokens=gen.max_new_tokens or cfg.response_length,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            stop_token_ids=list(gen.stop_token_ids),
-            reward_fn=cfg.rollout.reward_fn,
-            adv_estimator=cfg.algorithm.adv_estimator,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            overlong_buffer_len=cfg.algorithm.overlong_buffer_len,
-            overlong_penalty_factor=cfg.algorithm.overlong_penalty_factor,
-            request_timeout_s=cfg.rollout.request_timeout_s,
-            seed=cfg.seed,
+        urls = self.engines.urls_for_actor(index, self.cfg.rollout.num_actors)
+        return actor_settings(
+            self.cfg, self.model_dir, urls, self.receiver_host(), self.receiver.port
         )
 
     def receiver_host(self) -> str:

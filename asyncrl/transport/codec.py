@@ -303,7 +303,9 @@ def _byte_view(frame: Any, index: int) -> memoryview:
 def _parse_header(buf: memoryview, decoder: msgspec.msgpack.Decoder, kind: str | None) -> Any:
     try:
         header = decoder.decode(buf)
-    except (msgspec.DecodeError, RecursionError) as e:
+    except DecodeError:  # from `_refuse_ext`
+        raise
+    except (ValueError, RecursionError) as e:  # msgspec.DecodeError, invalid UTF-8, ...
         raise DecodeError(_why_bad_header(buf, kind, e)) from None
     if header.schema != SCHEMA_VERSION:
         raise DecodeError(_version_msg(header.schema))
@@ -316,7 +318,7 @@ def _why_bad_header(buf: memoryview, kind: str | None, error: Exception) -> str:
     """For a header that failed typed decoding, name a wrong version or kind first."""
     try:
         obj = _ANY_DECODER.decode(buf)
-    except (msgspec.DecodeError, RecursionError, DecodeError):
+    except (ValueError, RecursionError):  # DecodeError (an extension type) included
         return f"bad header: {error}"
     if isinstance(obj, list) and len(obj) >= 2:
         if type(obj[0]) is int and obj[0] != SCHEMA_VERSION:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -101,6 +102,7 @@ class WeightSender:
         self._group = None
         self._device = torch.device("cpu")
         self._broken: str | None = None
+        self._offsets: dict[str, tuple[int, int]] = {}  # engine url -> its ranks [lo, hi)
 
     async def init_group(
         self,
@@ -121,6 +123,7 @@ class WeightSender:
         port = master_port or free_port()
         world = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+        self._offsets = {e.url: (o, o + n) for e, o, n in zip(engines, offsets, tp_sizes)}
         calls = {
             asyncio.create_task(
                 e.init_weights_update_group(
@@ -226,8 +229,7 @@ class WeightSender:
                     if exc is None:
                         continue
                     if t is mine:
-                        urls = [calls[c].url for c in pending if c in calls]
-                        culprits = f"engines not done: {urls}" if urls else "all engines replied"
+                        culprits = self._culprits(calls, pending, str(exc))
                         raise self._fail(f"{what}: learner side failed ({culprits}): {exc}", mine)
                     problem = exc.problem if isinstance(exc, EngineError) else repr(exc)
                     raise self._fail(f"{what}: engine {calls[t].url} failed: {problem}", mine)
@@ -235,6 +237,21 @@ class WeightSender:
             for t in pending:
                 if t is not mine:
                     t.cancel()
+
+    def _culprits(self, calls: dict, pending: set, error: str) -> str:
+        """Which engines to blame when our own collective failed.
+
+        Every engine's HTTP call waits for the whole group, so "not replied" names them all;
+        a rendezvous timeout lists the store keys still missing (".../<rank>"), which name
+        exactly the ranks that never joined. Best effort: falls back to the not-replied list.
+        """
+        waiting = [calls[c].url for c in pending if c in calls]
+        if "keys:" in error and self._offsets:
+            ranks = {int(r) for r in re.findall(r"/(\d+)\b", error.split("keys:", 1)[1])}
+            never = [url for url, (lo, hi) in self._offsets.items() if ranks & set(range(lo, hi))]
+            if never:
+                return f"engines that never joined: {never}"
+        return f"engines not done: {waiting}" if waiting else "all engines replied"
 
     def _fail(self, message: str, mine: asyncio.Future) -> WeightSyncError:
         # Our collective still running (or failed) means the group is out of step for good.

@@ -1,0 +1,201 @@
+"""Weight sync: the real WeightSender against a real hf server process over gloo.
+
+Only the stalled/absent engines are faked (an aiohttp endpoint that never answers, a port
+with nobody behind it, a server frozen with SIGSTOP); the sender and server stay real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+from aiohttp import web
+
+from asyncrl.rollout.client import EngineClient, GenerateRequest, free_port, launch_hf_server
+from asyncrl.weights.buckets import flat_layout, flatten_bucket, unflatten_bucket
+from asyncrl.weights.sync import WeightSender, WeightSyncError, bucketize
+
+GROUP_TIMEOUT = 4.0
+
+
+def make_tiny_model(path=None, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    for p in model.parameters():  # larger weights than the default init: peakier logits
+        p.data.normal_(0, 0.3)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+# ---- pure functions ----------------------------------------------------------------------------
+def test_bucketize_keeps_order_and_bounds():
+    sizes = [10, 30, 5, 100, 20, 20, 1]  # float32 elements
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    buckets = list(bucketize(named, bucket_bytes=160))
+    flat = [name for b in buckets for name, _ in b]
+    assert flat == [n for n, _ in named]  # order preserved, nothing lost
+    assert [[n for n, _ in b] for b in buckets] == [
+        ["t0", "t1"],  # 40 + 120 = 160 bytes: exactly full
+        ["t2"],
+        ["t3"],  # 400 bytes > 160: alone
+        ["t4", "t5"],
+        ["t6"],
+    ]
+    for b in buckets:  # within the limit, unless one tensor alone is bigger
+        assert len(b) == 1 or sum(t.numel() * 4 for _, t in b) <= 160
+    assert list(bucketize([], 10)) == []
+    with pytest.raises(ValueError):
+        list(bucketize(named, 0))
+
+
+def test_flattened_layout_aligns_and_round_trips():
+    tensors = [
+        torch.arange(3, dtype=torch.uint8),
+        torch.randn(2, 3),
+        torch.randn(5).to(torch.bfloat16),
+        torch.tensor([7], dtype=torch.int64),
+        torch.randn(3).half(),
+    ]
+    offsets, total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])
+    assert offsets == [0, 4, 28, 40, 48] and total == 54
+    assert all(off % t.element_size() == 0 for off, t in zip(offsets, tensors))
+    buf = flatten_bucket(tensors)
+    assert buf.dtype == torch.uint8 and buf.numel() == total
+    back = unflatten_bucket(buf, [t.dtype for t in tensors], [t.shape for t in tensors])
+    for a, b in zip(tensors, back):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+# ---- against a real server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(path, seed=0)
+    args = ["--num-threads", "1", "--group-timeout-s", str(GROUP_TIMEOUT)]
+    handle = launch_hf_server(path, dtype="fp32", max_batch_size=4, extra_args=args)
+    yield handle
+    if handle.proc.poll() is None:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+    handle.stop()
+
+
+PROMPT = [3, 4, 5, 6]
+
+
+async def greedy_matches(client: EngineClient, model) -> str:
+    """Generate greedily; assert the logprobs are those of `model`. Returns weight_version."""
+    req = GenerateRequest(PROMPT, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    out = await client.generate_one(req)
+    ids = torch.tensor([PROMPT + out.output_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    ref = [float(logp[len(PROMPT) - 1 + j, t]) for j, t in enumerate(out.output_ids)]
+    assert out.output_ids == [int(logp[len(PROMPT) - 1 + j].argmax()) for j in range(8)]
+    assert out.output_logprobs == pytest.approx(ref, abs=1e-4)
+    return out.weight_version
+
+
+def test_sync_plain_and_flattened_updates_weights_and_version(server):
+    async def go():
+        async with EngineClient(server.url, timeout=30) as client:
+            sender = WeightSender(group_name="sync_test", timeout_s=GROUP_TIMEOUT)
+            await sender.init_group([client], backend="gloo")
+            for version, fmt in [(1, None), (2, "flattened_bucket")]:
+                model = make_tiny_model(seed=version)
+                stats = await sender.sync(
+                    model.named_parameters(), version, bucket_bytes=16_000, load_format=fmt
+                )
+                nbytes = sum(p.numel() * 4 for p in model.parameters())
+                assert stats.buckets > 1 and stats.tensors == len(list(model.parameters()))
+                assert stats.bytes >= nbytes and stats.version == version
+                assert await greedy_matches(client, model) == str(version)
+                assert await client.get_weight_version() == str(version)
+            # a bad bucket is refused whole and leaves the model as it was
+            with pytest.raises(WeightSyncError, match=server.url):
+                await sender.sync([("model.nope.weight", torch.zeros(3))], version=3)
+            bad_shape = [("lm_head.weight", torch.zeros(2, 2))]
+            with pytest.raises(WeightSyncError, match="shape mismatch"):
+                await sender.sync(bad_shape, version=3, load_format=None)
+            await client.resume()  # a failed sync leaves engines paused on purpose
+            assert await greedy_matches(client, model) == "2"
+            await sender.close()
+
+    asyncio.run(go())
+
+
+def test_init_names_an_engine_that_never_joins(server):
+    async def go():
+        release = asyncio.Event()
+
+        async def hang(request):  # answers only when the test is over
+            await release.wait()
+            return web.json_response({"success": False, "message": "released"})
+
+        app = web.Application()
+        app.router.add_post("/init_weights_update_group", hang)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        fake = EngineClient(f"http://127.0.0.1:{port}")
+        real = EngineClient(server.url)
+        gone = EngineClient(f"http://127.0.0.1:{free_port()}")  # nobody listening
+        sender = WeightSender(group_name="init_stall", timeout_s=2.0)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(WeightSyncError, match=f"127.0.0.1:{port}") as err:
+                await sender.init_group([real, fake], backend="gloo")
+            assert server.url not in str(err.value).split("never joined")[-1]
+            assert time.monotonic() - t0 < 15
+            with pytest.raises(WeightSyncError, match=gone.url):
+                await WeightSender(timeout_s=2.0).init_group([gone], backend="gloo")
+        finally:
+            release.set()
+            for c in (fake, real, gone):
+                await c.close()
+            await runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_stalled_engine_during_sync_is_named_then_group_recovers(server):
+    model = make_tiny_model(seed=9)
+
+    async def go():
+        async with EngineClient(server.url, timeout=30, control_timeout=30) as client:
+            sender = WeightSender(group_name="stall", timeout_s=GROUP_TIMEOUT)
+            await sender.init_group([client], backend="gloo")
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(WeightSyncError, match=server.url):
+                    await sender.sync(model.named_parameters(), 5, pause_mode=None)
+                assert time.monotonic() - t0 < GROUP_TIMEOUT + 8
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            with pytest.raises(WeightSyncError, match="broken"):
+                await sender.sync(model.named_parameters(), 5)
+            await sender.init_group([client], backend="gloo")  # a fresh group works again
+            await sender.sync(model.named_parameters(), 6)
+            assert await greedy_matches(client, model) == "6"
+            await sender.close()
+
+    asyncio.run(go())
