@@ -56,6 +56,7 @@ def run(cfg: Config) -> dict[str, Any]:
             idle = time.perf_counter() - waited
             metrics = learner.step(groups)
             step += 1
+            cluster.record_trained(step, groups)
             if learner.version % cfg.async_.sync_interval == 0 or step == cfg.max_steps:
                 metrics.update(cluster.sync_weights(learner))
             queue.set_version(learner.version)  # opens admission for the next version

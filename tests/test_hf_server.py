@@ -14,10 +14,15 @@ import time
 import pytest
 import torch
 
-from asyncrl.rollout.client import EngineClient, GenerateRequest, launch_hf_server
+from asyncrl.rollout.client import (
+    EngineClient,
+    EngineTimeoutError,
+    GenerateRequest,
+    launch_hf_server,
+)
 
 EOS = 1
-LONG = 600  # tokens (>= ~1 ms each on any CPU): a pause 0.3 s in lands mid-generation
+LONG = 400  # tokens (>= ~1.5 ms each on any CPU): a pause 0.2 s in lands mid-generation
 
 
 def make_tiny_model(path, seed: int = 0):
@@ -153,7 +158,7 @@ def test_determinism(server, tiny):
 async def _pause_during(c, mode, n=LONG):
     req = GenerateRequest([3, 4, 5], {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
     task = asyncio.create_task(c.generate_one(req))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.2)
     assert not task.done(), "request finished before the pause: make LONG bigger"
     await c.pause(mode)
     flushed_while_paused = await c.flush_cache()
@@ -224,6 +229,22 @@ def test_flush_cache_refused_while_running(server):
         return during, await c.flush_cache()
 
     assert run(_with_client(server.url, go)) == (False, True)
+
+
+def test_client_hang_up_aborts_its_request(server):
+    async def go():
+        async with EngineClient(server.url, timeout=0.5) as impatient:
+            req = GenerateRequest([3], {"max_new_tokens": LONG, "ignore_eos": True})
+            with pytest.raises(EngineTimeoutError):
+                await impatient.generate_one(req)
+        async with EngineClient(server.url) as c:
+            for _ in range(100):  # the server notices the closed connection and aborts
+                if await c.flush_cache():
+                    return True
+                await asyncio.sleep(0.05)
+        return False
+
+    assert run(go())
 
 
 BAD_BODIES = [

@@ -9,6 +9,7 @@ same SGLang-protocol client. Ray starts locally unless `RAY_ADDRESS` names a clu
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import Counter
@@ -175,7 +176,21 @@ class RolloutCluster:
         )
 
     def sync_weights(self, learner: Any) -> dict[str, float]:
-        return self.engines.sync(learner)
+        """Broadcast the learner's weights; an engine that died mid-sync is relaunched and the
+        whole fleet re-synced (heal), any other failure propagates with its engine named."""
+        from asyncrl.weights.sync import WeightSyncError
+
+        try:
+            return self.engines.sync(learner)
+        except WeightSyncError:
+            if not self.engines.heal(learner):
+                raise
+            return dict(self.engines.last_sync)
+
+    def record_trained(self, step: int, groups: list[Any]) -> None:
+        """Append the trained group ids (the audit trail that no group is lost or repeated)."""
+        with open(Path(self.cfg.output_dir) / "trained_groups.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "ids": [g.group_id for g in groups]}) + "\n")
 
     def batch_metrics(
         self, groups: list[Any], version: int, idle: float, waited: float
@@ -214,7 +229,18 @@ class RolloutCluster:
         interval = self.cfg.logging.eval_interval
         if interval <= 0 or (step % interval and step != self.cfg.max_steps):
             return {}
-        return self.engines.evaluate(self.prompts.heldout_items(self.cfg.logging.eval_size))
+        from asyncrl.rollout.client import EngineError
+
+        items = self.prompts.heldout_items(self.cfg.logging.eval_size)
+        for attempt in range(2):
+            self.engines.heal(self.learner)
+            try:
+                return self.engines.evaluate(items)
+            except EngineError as e:  # an engine died under the evaluation: heal, try again
+                self.counters["eval_failures"] += 1
+                if attempt:
+                    print(f"asyncrl: evaluation skipped at step {step}: {e}")
+        return {}
 
     def extra_state(self, prompts: Any, step: int) -> dict[str, Any]:
         outstanding = [vars(item) for item in self.dispatcher.outstanding()]

@@ -83,11 +83,12 @@ class EngineSet:
         shift = index % len(urls)
         return urls[shift:] + urls[:shift]
 
-    def heal(self, learner: Any) -> None:
-        """Relaunch dead engine processes and bring them to the learner's weights."""
+    def heal(self, learner: Any) -> bool:
+        """Relaunch dead engine processes and bring them to the learner's weights; True if any
+        engine was relaunched."""
         dead = [i for i, h in enumerate(self.handles) if h.proc.poll() is not None]
         if not dead:
-            return
+            return False
         for i in dead:
             # Same port, so actors keep their URLs; their failed prompts are re-issued.
             port = int(self.handles[i].url.rsplit(":", 1)[1])
@@ -96,6 +97,7 @@ class EngineSet:
             print(f"asyncrl: engine {i} died; relaunched at {self.handles[i].url}")
         self._init_group()
         self.sync(learner)
+        return True
 
     def stop(self) -> None:
         try:

@@ -190,7 +190,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     mode = (await _body(request, required=False)).get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise RequestError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
-    await asyncio.to_thread(request.app[ENGINE].pause, mode)
+    await asyncio.shield(asyncio.to_thread(request.app[ENGINE].pause, mode))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
@@ -235,6 +235,21 @@ async def update_weight_version(request: web.Request) -> web.Response:
     return _ok(True, msg, new_version=engine.weight_version)
 
 
+async def _locked_in_thread(app: web.Application, fn, *args):
+    """Run a group operation in a thread, one at a time, immune to client disconnects.
+
+    Collectives on a group must run in order and to completion: a sender that gives up (and
+    drops the connection, which cancels this handler) must not release the lock while the
+    receive thread is still inside the collective.
+    """
+
+    async def locked():
+        async with app[UPDATE_LOCK]:
+            return await asyncio.to_thread(fn, *args)
+
+    return await asyncio.shield(asyncio.ensure_future(locked()))
+
+
 def _fields(body: dict, spec: dict[str, type]) -> list:
     out = []
     for key, typ in spec.items():
@@ -250,18 +265,16 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     addr, port, offset, world = _fields(body, spec)
     name, backend = str(body.get("group_name", "weight_update_group")), body.get("backend", "nccl")
     timeout = float(body.get("timeout", request.app[INFO]["group_timeout_s"]))
-    async with request.app[UPDATE_LOCK]:
-        ok, msg = await asyncio.to_thread(
-            request.app[RECEIVER].init_group, addr, port, offset, world, name, backend, timeout
-        )
+    receiver = request.app[RECEIVER]
+    args = (addr, port, offset, world, name, backend, timeout)
+    ok, msg = await _locked_in_thread(request.app, receiver.init_group, *args)
     return _ok(ok, msg)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     body = await _body(request)
     name = str(body.get("group_name", "weight_update_group"))
-    async with request.app[UPDATE_LOCK]:
-        ok, msg = await asyncio.to_thread(request.app[RECEIVER].destroy_group, name)
+    ok, msg = await _locked_in_thread(request.app, request.app[RECEIVER].destroy_group, name)
     return _ok(ok, msg)
 
 
@@ -271,8 +284,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     group = str(body.get("group_name", "weight_update_group"))
     fmt = body.get("load_format")
     receiver, engine = request.app[RECEIVER], request.app[ENGINE]
-    async with request.app[UPDATE_LOCK]:  # collectives on a group must stay in order
-        ok, msg = await asyncio.to_thread(receiver.update, names, dtypes, shapes, group, fmt)
+    args = (names, dtypes, shapes, group, fmt)
+    ok, msg = await _locked_in_thread(request.app, receiver.update, *args)
     version = body.get("weight_version")
     if ok and version is not None:
         engine.weight_version = str(version)
@@ -361,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
             port=args.port,
             print=None,
             shutdown_timeout=1.0,
+            handler_cancellation=True,  # a client that hangs up aborts its requests
         )
     finally:
         engine.stop()

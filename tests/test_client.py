@@ -1,0 +1,199 @@
+"""EngineClient against a tiny in-process aiohttp fake engine that answers what we tell it to.
+
+Only the engine is fake; the client (HTTP, timeouts, reply checks) is the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from asyncrl.rollout.client import (
+    EngineClient,
+    EngineError,
+    EngineReplyError,
+    EngineTimeoutError,
+    GenerateRequest,
+    free_port,
+)
+
+GOOD = {
+    "text": "",
+    "output_ids": [5, 6, 1],
+    "meta_info": {
+        "id": "r1",
+        "finish_reason": {"type": "stop", "matched": 1},
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "weight_version": "7",
+        "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None], [-0.1, 1, None]],
+    },
+}
+
+
+def variant(**changes) -> dict:
+    """GOOD with meta_info keys replaced (None value: key removed)."""
+    meta = dict(GOOD["meta_info"])
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    return {**GOOD, "meta_info": meta}
+
+
+class FakeEngine:
+    """Serves `self.reply` (a dict, or raw text) on every endpoint with `self.status`."""
+
+    def __init__(self) -> None:
+        self.reply: object = GOOD
+        self.status = 200
+        self.delay = 0.0
+        self.bodies: list[tuple[str, object]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        self.bodies.append((request.path, body))
+        await asyncio.sleep(self.delay)
+        if isinstance(self.reply, str):
+            return web.Response(text=self.reply, status=self.status)
+        return web.json_response(self.reply, status=self.status)
+
+
+async def with_fake(test):
+    fake = FakeEngine()
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", fake.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    client = EngineClient(f"http://127.0.0.1:{port}", timeout=1, control_timeout=1)
+    try:
+        await test(fake, client)
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+REQ = GenerateRequest([3, 4], {"max_new_tokens": 3})
+
+
+def test_good_reply_parses_and_request_shape():
+    async def test(fake, client):
+        out = await client.generate_one(REQ)
+        assert out.output_ids == [5, 6, 1] and out.output_logprobs == [-0.5, -1.0, -0.1]
+        assert (out.finish_reason, out.weight_version, out.version) == ("stop", "7", 7)
+        assert out.prompt_tokens == 2 and out.token_versions() == [7, 7, 7]
+        path, body = fake.bodies[-1]
+        assert path == "/generate" and body["input_ids"] == [3, 4]
+        assert body["return_logprob"] is True and body["logprob_start_len"] == -1
+        as_dict = {"input_ids": [3, 4], "sampling_params": {}, "return_logprob": True}
+        assert (await client.generate([as_dict, REQ]))[1] == out
+
+    asyncio.run(with_fake(test))
+
+
+# What a buggy engine might emit: a bare NaN literal (Python's json accepts it).
+NAN_REPLY = json.dumps(
+    variant(output_token_logprobs=[[-0.5, 5, None], ["NaN", 6, None], [-0.1, 1, None]])
+).replace('"NaN"', "NaN")
+
+MALFORMED = [
+    ("missing meta_info", {"output_ids": [5]}, "missing meta_info"),
+    (
+        "count mismatch",
+        variant(output_token_logprobs=[[-0.5, 5, None]]),
+        "1 output_token_logprobs for 3",
+    ),
+    ("nan logprob", NAN_REPLY, "non-finite"),
+    (
+        "inf logprob",
+        variant(output_token_logprobs=[[-0.5, 5, None], [float("-inf"), 6, None], [-0.1, 1, None]]),
+        "non-finite",
+    ),
+    (
+        "token mismatch",
+        variant(output_token_logprobs=[[-0.5, 5, None], [-1.0, 9, None], [-0.1, 1, None]]),
+        "for token 9",
+    ),
+    ("no logprobs", variant(output_token_logprobs=None), "output_token_logprobs is missing"),
+    ("bad finish", variant(finish_reason={"type": "done"}), "finish_reason"),
+    ("no version", variant(weight_version=None), "weight_version"),
+    ("not an object", [1, 2, 3], "expected an object"),
+    ("bad output ids", {**GOOD, "output_ids": "abc"}, "output_ids"),
+]
+
+
+@pytest.mark.parametrize("reply,problem", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_replies_raise_engine_reply_error(reply, problem):
+    async def test(fake, client):
+        fake.reply = reply
+        with pytest.raises(EngineReplyError, match=problem) as err:
+            await client.generate_one(REQ)
+        assert client.url in str(err.value)
+
+    asyncio.run(with_fake(test))
+
+
+def test_http_errors_timeouts_and_down_engines():
+    async def test(fake, client):
+        fake.status, fake.reply = 500, {"object": "error", "message": "boom"}
+        with pytest.raises(EngineError, match="HTTP 500: boom"):
+            await client.generate_one(REQ)
+        fake.status, fake.reply = 200, "not json at all"
+        with pytest.raises(EngineReplyError, match="expected an object"):
+            await client.generate_one(REQ)
+        fake.reply, fake.delay = GOOD, 1.5
+        with pytest.raises(EngineTimeoutError, match="no reply within 1s"):
+            await client.generate_one(REQ)
+        assert not await client.health()  # times out -> False, never raises
+        fake.delay = 0.0
+        assert await client.health()
+
+    asyncio.run(with_fake(test))
+    down = EngineClient(f"http://127.0.0.1:{free_port()}", control_timeout=2)
+
+    async def go():
+        with pytest.raises(EngineError, match=down.url):
+            await down.pause("abort")
+        assert not await down.health()
+        await down.close()
+
+    asyncio.run(go())
+
+
+def test_control_calls_and_success_flags():
+    async def test(fake, client):
+        fake.reply = {"message": "Generation paused successfully.", "status": "ok"}
+        await client.pause("retract")
+        assert fake.bodies[-1] == ("/pause_generation", {"mode": "retract"})
+        await client.resume()
+        fake.reply = {"success": True, "message": "ok"}
+        await client.init_weights_update_group("127.0.0.1", 1234, 1, 2, "g", "gloo")
+        assert fake.bodies[-1][1] == {
+            "master_address": "127.0.0.1",
+            "master_port": 1234,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "g",
+            "backend": "gloo",
+        }
+        await client.update_weights(["w"], ["bfloat16"], [[2, 3]], 4, "flattened_bucket", "g")
+        body = fake.bodies[-1][1]
+        assert body["weight_version"] == "4" and body["load_format"] == "flattened_bucket"
+        fake.status, fake.reply = 400, {"success": False, "message": "shape mismatch\nfor w"}
+        with pytest.raises(EngineError, match="shape mismatch for w"):
+            await client.update_weights(["w"], ["float32"], [[2]])
+        fake.reply = {"message": "no success key"}
+        with pytest.raises(EngineReplyError, match="lacks success"):
+            await client.update_weights(["w"], ["float32"], [[2]])
+        fake.reply = "Cache not flushed"
+        assert await client.flush_cache() is False
+        fake.status = 200
+        assert await client.flush_cache() is True
+
+    asyncio.run(with_fake(test))

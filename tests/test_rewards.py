@@ -1,0 +1,84 @@
+import importlib.util
+
+import pytest
+
+from asyncrl.rewards import RewardError, RewardFn, builtin_rewards, get_reward_fn, reward_names
+from asyncrl.rewards.arithmetic import parse_first_integer
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("357<|im_end|>", 1.0),
+        ("357", 1.0),
+        (" 357 and more", 1.0),
+        ("0357", 1.0),
+        ("35<|im_end|>7", 0.0),  # digits after the end marker are not the answer
+        ("358<|im_end|>", 0.0),
+        ("<|im_end|>357", 0.0),
+        ("", 0.0),
+        ("abc", 0.0),
+        ("12 357", 0.0),  # the first number counts
+    ],
+)
+def test_arithmetic_exact(response, expected):
+    fn = get_reward_fn("arithmetic_exact")
+    assert fn("12+345=", response, {"answer": "357"}) == expected
+
+
+def test_arithmetic_exact_int_and_negative_answers():
+    fn = get_reward_fn("arithmetic_exact")
+    assert fn("p", "-4<|endoftext|>", {"answer": -4}) == 1.0
+    assert parse_first_integer("x=-12, y=3") == -12
+    assert parse_first_integer("none") is None
+
+
+def test_arithmetic_exact_bad_metadata():
+    fn = get_reward_fn("arithmetic_exact")
+    with pytest.raises(RewardError, match="'answer' metadata"):
+        fn("p", "1", {})
+    with pytest.raises(RewardError, match="not an integer"):
+        fn("p", "1", {"answer": "x"})
+
+
+def test_format_integer():
+    fn = get_reward_fn("format_integer")
+    assert fn("p", "42<|im_end|>", {}) == 1.0
+    assert fn("p", "42 apples", {}) == 0.0
+
+
+def test_registry_names_and_errors():
+    assert {"arithmetic_exact", "math_verify", "format_integer"} <= set(reward_names())
+    with pytest.raises(RewardError, match="valid names: arithmetic_exact") as err:
+        get_reward_fn("nope")
+    assert "\n" not in str(err.value)
+    # Built fresh on every call: mutating one copy cannot change what others see.
+    builtin_rewards().clear()
+    assert "arithmetic_exact" in builtin_rewards()
+    assert isinstance(get_reward_fn("arithmetic_exact"), RewardFn)
+
+
+def test_dotted_path():
+    fn = get_reward_fn("asyncrl.rewards.arithmetic:arithmetic_exact")
+    assert fn("1+1=", "2", {"answer": "2"}) == 1.0
+    for spec, msg in [
+        ("no_such_module_xyz:f", "cannot import module"),
+        ("asyncrl.rewards.arithmetic:nope", "no attribute 'nope'"),
+        ("asyncrl.rewards.arithmetic:END_MARKERS", "not callable"),
+        ("asyncrl.rewards.arithmetic:", "package.module:function"),
+    ]:
+        with pytest.raises(RewardError, match=msg):
+            get_reward_fn(spec)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is not None, reason="installed")
+def test_math_verify_missing_names_the_package():
+    with pytest.raises(RewardError, match="math-verify"):
+        get_reward_fn("math_verify")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="not installed")
+def test_math_verify_installed():
+    fn = get_reward_fn("math_verify")
+    assert fn("What is 1/2+1/4?", "The answer is $\\frac{3}{4}$", {"answer": "0.75"}) == 1.0
+    assert fn("What is 1/2+1/4?", "The answer is $\\frac{1}{4}$", {"answer": "0.75"}) == 0.0
