@@ -167,8 +167,8 @@ def _measure(tokens: int, quick: bool, skip_ray: bool, repeats: int) -> dict[str
         trials["codec_zmq"].append(run_codec_zmq(tokens, zmq_count))
         trials["raw_zmq"].append(run_raw_zmq(tokens, zmq_count))
     if not skip_ray:
-        trials["ray_sync"] = [(run_ray(tokens, ray_count, in_flight=1), float("nan"))]
-        trials["ray_pipelined"] = [(run_ray(tokens, ray_count, in_flight=32), float("nan"))]
+        trials["ray_sync"] = [(run_ray(tokens, ray_count, in_flight=1), 0.0)]
+        trials["ray_pipelined"] = [(run_ray(tokens, ray_count, in_flight=32), 0.0)]
     row: dict[str, Any] = {"tokens": tokens, "bytes_per_group": nbytes}
     row["count"] = {"zmq": zmq_count, "ray": 0 if skip_ray else ray_count, "repeats": repeats}
     sec = {}
@@ -177,7 +177,8 @@ def _measure(tokens: int, quick: bool, skip_ray: bool, repeats: int) -> dict[str
         row[name] = {
             "groups_per_s": 1.0 / sec[name],
             "gb_per_s": nbytes / sec[name] / 1e9,
-            "cpu_us_per_group": float(np.median([c for _, c in runs])) * 1e6,
+            # CPU of sender + receiver processes (ZMQ only; Ray's is spread over its daemons)
+            "cpu_us_per_group": float(np.median([c for _, c in runs])) * 1e6 or None,
             "trials_groups_per_s": [1.0 / w for w, _ in runs],
         }
     row["vs_raw_zmq"] = sec["raw_zmq"] / sec["codec_zmq"]
@@ -243,12 +244,13 @@ def _start_ray() -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10x fewer messages")
+    parser.add_argument("--quick", action="store_true", help="5-10x fewer messages, 2 trials")
     parser.add_argument("--skip-ray", action="store_true", help="ZMQ rows only (no Ray start)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--repeats", type=int, default=None, help="trials per ZMQ method")
     args = parser.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
+    load_before = os.getloadavg()
     if not args.skip_ray:
         _start_ray()
     try:
@@ -261,8 +263,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _print_table(rows)
     result = {
         "command": "python bench/transport.py " + " ".join(argv or sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        },
         "targets": {"vs_ray_sync": TARGET_RAY, "vs_raw_zmq": TARGET_RAW},
+        "met": {
+            "vs_ray_sync": all(r.get("vs_ray_sync", 0) >= TARGET_RAY for r in rows),
+            "vs_raw_zmq": all(r["vs_raw_zmq"] >= TARGET_RAW for r in rows),
+        },
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 A mutated message may still decode (a flipped bit inside a logprob is a valid logprob); then the
 result must be a complete, valid record that survives another round trip. The default run uses a
-few hundred examples per property; `pytest -m slow` runs well over 100k in all.
+few hundred examples per property; `pytest -m slow` runs 100k mutated messages and 35k
+random ones.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
 def _mutate_header(draw: st.DrawFn, raw: bytes) -> bytes:
     try:
         header = msgspec.msgpack.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
+    except (ValueError, RecursionError):  # already broken by an earlier mutation
         return raw
     if not isinstance(header, list | dict):
         return raw
@@ -190,7 +191,7 @@ def test_random_bytes_slow(frames: list[bytes]) -> None:
 
 
 @pytest.mark.slow
-@settings(SLOW, max_examples=70_000)
+@settings(SLOW, max_examples=100_000)
 @given(mutated())
 def test_mutated_groups_slow(frames: list[bytes]) -> None:
     _decode_only_decode_error(frames)

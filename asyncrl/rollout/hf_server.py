@@ -77,8 +77,9 @@ def _is_ids(x: object) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _per_item(value, n: int, name: str) -> list:
-    if isinstance(value, list) and value and n > 1 and name != "input_ids":
+def _per_item(value, n: int, batched: bool, name: str) -> list:
+    """SGLang batch bodies may give one value for all items or a list with one per item."""
+    if batched and isinstance(value, list):
         if len(value) != n:
             raise RequestError(f"{name} has {len(value)} entries for a batch of {n}")
         return value
@@ -96,12 +97,9 @@ def _parse_generate(body: dict) -> tuple[list[Seq], bool]:
     if ids is None or not prompts or not all(_is_ids(p) and p for p in prompts):
         raise RequestError("input_ids must be a non-empty list of ints (or a list of such lists)")
     n = len(prompts)
-    params = body.get("sampling_params")
-    params = params if isinstance(params, list) and batched else [params] * n
-    if len(params) != n:
-        raise RequestError(f"sampling_params has {len(params)} entries for a batch of {n}")
-    rids = _per_item(body.get("rid"), n, "rid")
-    logprob = _per_item(body.get("return_logprob", False), n, "return_logprob")
+    params = _per_item(body.get("sampling_params"), n, batched, "sampling_params")
+    rids = _per_item(body.get("rid"), n, batched, "rid")
+    logprob = _per_item(body.get("return_logprob", False), n, batched, "return_logprob")
     start = body.get("logprob_start_len", -1)
     if any(logprob) and start not in (-1, None):
         raise RequestError("logprob_start_len >= 0 (input logprobs) is not supported here")

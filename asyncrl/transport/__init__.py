@@ -8,10 +8,26 @@ from asyncrl.transport.codec import (
     encode_arrays,
     encode_group,
 )
+from asyncrl.transport.zmq import (
+    Receiver,
+    ReceiverConfig,
+    ReceiverError,
+    ReceiverStats,
+    Sender,
+    SenderConfig,
+    TransportTimeout,
+)
 
 __all__ = [
     "DecodeError",
     "EncodeError",
+    "Receiver",
+    "ReceiverConfig",
+    "ReceiverError",
+    "ReceiverStats",
+    "Sender",
+    "SenderConfig",
+    "TransportTimeout",
     "decode_arrays",
     "decode_group",
     "encode_arrays",

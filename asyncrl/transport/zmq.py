@@ -233,16 +233,16 @@ class Receiver(Generic[T]):
     def _handle(self, frames: list[zmq.Frame]) -> None:
         nbytes = sum(len(f) for f in frames)
         if len(frames) == 1 and frames[0].bytes == PING:
-            self._count(bytes=nbytes, pings=1)
+            self._count(nbytes, "pings")
             return
         try:
             record = self._decode(frames)
         except DecodeError as e:
-            self._count(bytes=nbytes, rejected=1, error=str(e))
+            self._count(nbytes, "rejected", error=str(e))
             log.warning("rejected message on %s: %s", self.address, e)
             return
         self._put(record)
-        self._count(bytes=nbytes, received=1)
+        self._count(nbytes, "received")
 
     def _put(self, record: T) -> None:
         # Blocking here (a full queue) is the backpressure path: we stop reading the socket.
@@ -253,10 +253,10 @@ class Receiver(Generic[T]):
             except queue.Full:
                 continue
 
-    def _count(self, error: str | None = None, **deltas: int) -> None:
+    def _count(self, nbytes: int, counter: str, error: str | None = None) -> None:
         with self._lock:
-            for key, delta in deltas.items():
-                self._counts[key] += delta
+            self._counts[counter] += 1
+            self._counts["bytes"] += nbytes
             if error is not None:
                 self._last_error = error
 
@@ -266,16 +266,18 @@ class Receiver(Generic[T]):
         ReceiverError once the receiver is closed or broken and its queue is empty."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            try:
-                return self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            if self._failure is not None or self._stop.is_set():
-                raise ReceiverError(self._why_stopped()) from self._failure
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TransportTimeout(f"no record on {self.address} within {timeout_s}s")
-            try:  # wake at least every poll interval to notice a failed thread
+            stopped = self._failure is not None or self._stop.is_set()
+            if stopped or (left is not None and left <= 0):
+                try:  # records already decoded are delivered even after a failure
+                    return self._queue.get_nowait()
+                except queue.Empty:
+                    if stopped:
+                        raise ReceiverError(self._why_stopped()) from self._failure
+                    raise TransportTimeout(
+                        f"no record on {self.address} within {timeout_s}s"
+                    ) from None
+            try:  # wake at least every poll interval to notice a failed or closed receiver
                 wait = self.config.poll_interval_s
                 return self._queue.get(timeout=wait if left is None else min(wait, left))
             except queue.Empty:

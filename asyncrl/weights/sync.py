@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.rollout.client import EngineClient, EngineError, free_port
-from asyncrl.weights.buckets import bucketize, dtype_name, flatten_bucket, tensor_nbytes
+from asyncrl.weights.buckets import (
+    BucketLayoutError,
+    bucketize,
+    dtype_name,
+    flatten_bucket,
+    tensor_nbytes,
+)
 from asyncrl.weights.group import broadcast, create_group, destroy_group
 
 __all__ = ["SyncStats", "WeightSender", "WeightSyncError", "bucketize"]
@@ -135,7 +141,12 @@ class WeightSender:
         mine = _in_thread(
             create_group, backend, master_address, port, 0, world, self.group_name, timeout
         )
-        await self._wait_all(calls, mine, timeout + 15, f"init of group {self.group_name!r}")
+        try:
+            await self._wait_all(calls, mine, timeout + 15, f"init of group {self.group_name!r}")
+        except WeightSyncError:
+            # An engine failed; our half of the group is useless whenever it completes.
+            mine.add_done_callback(lambda f: f.exception() or destroy_group(f.result()))
+            raise
         self._group, self.engines = mine.result(), list(engines)
         self._device, self._broken = _device_for(backend), None
 
@@ -160,12 +171,17 @@ class WeightSender:
         if pause_mode:
             await self._control(lambda e: e.pause(pause_mode), f"pause({pause_mode})")
         converted = ((n, self._prepare(t, dtype)) for n, t in named_tensors)
-        for bucket, last in _with_last(bucketize(converted, bucket_bytes)):
-            nbytes += await self._send_bucket(
-                bucket, version if last else None, load_format, flush_cache and last, nbuckets
-            )
-            nbuckets += 1
-            ntensors += len(bucket)
+        try:
+            for bucket, last in _with_last(bucketize(converted, bucket_bytes)):
+                nbytes += await self._send_bucket(
+                    bucket, version if last else None, load_format, flush_cache and last, nbuckets
+                )
+                nbuckets += 1
+                ntensors += len(bucket)
+        except BucketLayoutError as e:  # raised before that bucket was announced: group intact
+            raise WeightSyncError(f"cannot send weights for version {version}: {e}") from None
+        if nbuckets == 0:
+            raise WeightSyncError(f"no tensors to send for version {version}")
         if pause_mode:
             await self._control(lambda e: e.resume(), "continue_generation")
         secs = time.perf_counter() - start

@@ -1,0 +1,1 @@
+"""Rollout: engine servers, the SGLang-protocol client, rollout actors."""

@@ -1,0 +1,1 @@
+"""Weight sync: buckets, standalone update groups, the learner-side sender."""
