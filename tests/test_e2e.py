@@ -128,3 +128,18 @@ def test_sync_mode_equals_plain_synchronous_reference(tiny_model, tmp_path):
     # ... and training really moved the weights, so the equality is not trivial
     moved = max(float((state["model"][k] - v).abs().max()) for k, v in initial.items())
     assert moved > 1e-4
+
+
+def test_bf16_engine_mismatch_is_measured_and_corrected(tiny_model, tmp_path):
+    """A bf16 engine against the fp32 learner: the mismatch is real (non-zero KL, ESS < 1) and
+    the IS weights that correct it are applied (truncated at the threshold)."""
+    cfg = shrunk(
+        tiny_model, tmp_path, "max_steps=2", "actor_infer.model_args.dtype=bf16",
+        "algorithm.rollout_is_threshold=1.001", "logging.eval_interval=0",
+    )  # fmt: skip
+    run(cfg)
+    rows = [r for r in read_rows(tmp_path) if r.get("version") is not None]
+    for r in rows:
+        assert abs(r["mismatch/mismatch_kl"]) > 1e-6 and r["mismatch/mismatch_k3_kl"] > 0
+        assert r["mismatch/rollout_is_eff_sample_size"] < 1.0
+        assert r["mismatch/rollout_is_truncated_fraction"] > 0  # the correction bit

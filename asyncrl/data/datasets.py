@@ -199,12 +199,12 @@ def _template(name: str) -> str:
 def render(record: PromptRecord, tokenizer: Any, template: str) -> tuple[str, bool]:
     """``(text, templated)``: the prompt text the model sees, and whether a chat template made it."""
     has_chat = bool(getattr(tokenizer, "chat_template", None))
-    if template == "none" or (record.prompt is not None and not has_chat):
-        if record.prompt is None:
-            raise DatasetError(
-                f"{record.source}: {record.where}: messages need template 'native' and a tokenizer "
-                "with a chat template"
-            )
+    if record.messages is not None and not (template == "native" and has_chat):
+        raise DatasetError(
+            f"{record.source}: {record.where}: messages need template 'native' and a tokenizer "
+            "with a chat template"
+        )
+    if record.prompt is not None and (template == "none" or not has_chat):
         return record.prompt, False
     messages = record.messages or [{"role": "user", "content": record.prompt}]
     try:

@@ -127,31 +127,27 @@ def render_prompts(tokenizer: Any, prompts: Sequence[str], template: str) -> lis
     ]
 
 
-def evaluate_accuracy(
+def greedy_responses(
     model: Any,
     tokenizer: Any,
-    rows: Sequence[dict[str, Any]],
+    prompts: Sequence[str],
     max_new_tokens: int = 8,
     batch_size: int = 64,
     template: str = "none",
-) -> float:
-    """Greedy exact-match accuracy on rows ``{"prompt", "answer"}`` (batched, left padding),
-    scored by the ``arithmetic_exact`` reward so evaluation and RL agree on what is correct."""
+) -> list[str]:
+    """Greedy continuations of ``prompts`` (batched, left padding), special tokens kept so the
+    end marker stays visible. The model's train/eval mode and the tokenizer's padding side are
+    restored afterwards (the training loop calls this mid-run)."""
     import torch
 
-    from asyncrl.rewards.arithmetic import arithmetic_exact
-
-    if not rows:
-        raise ValueError("evaluate_accuracy needs at least one row")
     was_training, old_side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
     device = next(model.parameters()).device
-    correct = 0.0
+    responses: list[str] = []
     try:
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            texts = render_prompts(tokenizer, [r["prompt"] for r in chunk], template)
+        for start in range(0, len(prompts), batch_size):
+            texts = render_prompts(tokenizer, prompts[start : start + batch_size], template)
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             with torch.no_grad():
                 out = model.generate(
@@ -162,12 +158,30 @@ def evaluate_accuracy(
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
                 )
-            new = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :])
-            correct += sum(arithmetic_exact(r["prompt"], t, r) for r, t in zip(chunk, new))
+            responses += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :])
     finally:
         model.train(was_training)
         tokenizer.padding_side = old_side
-    return correct / len(rows)
+    return responses
+
+
+def evaluate_accuracy(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+    template: str = "none",
+) -> float:
+    """Greedy exact-match accuracy on rows ``{"prompt", "answer"}``, scored by the
+    ``arithmetic_exact`` reward so that evaluation and RL agree on what is correct."""
+    from asyncrl.rewards.arithmetic import arithmetic_exact
+
+    if not rows:
+        raise ValueError("evaluate_accuracy needs at least one row")
+    prompts = [r["prompt"] for r in rows]
+    texts = greedy_responses(model, tokenizer, prompts, max_new_tokens, batch_size, template)
+    return sum(arithmetic_exact(r["prompt"], t, r) for r, t in zip(rows, texts)) / len(rows)
 
 
 def _encode_examples(tokenizer: Any, spec: TinyModelSpec, rows: list[dict[str, str]]) -> list:

@@ -19,6 +19,7 @@ stops stepping (KV kept). In every mode new requests queue until `resume()`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 import threading
@@ -44,6 +45,9 @@ class HFEngine:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(cfg.vocab_size)
         self.eos_ids = _eos_ids(model)
+        # Only the last position's logits are needed; older model classes lack the argument.
+        accepts = inspect.signature(model.forward).parameters
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self.weight_version = "default"
         self.step_lock = threading.RLock()
         self._cond = threading.Condition(threading.Lock())
@@ -172,7 +176,7 @@ class HFEngine:
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            **self._last_only,
         )
         kv = [(layer[0], layer[1]) for layer in out.past_key_values]
         return out.logits[:, -1, :], kv

@@ -7,7 +7,9 @@ Same request/response shapes as SGLang, so `asyncrl.rollout.client.EngineClient`
 server and a real SGLang server with identical code. Token-in/token-out only: `text` is always
 "" and `text` inputs are refused. Blocking work (the scheduler, pause, weight receives) runs in
 threads; the aiohttp loop only parses, queues and answers. Bad input -> HTTP 400 with a one-line
-JSON error in SGLang's shape; the server never dies on a request.
+JSON error in SGLang's shape; the server never dies on a request. A client that hangs up
+aborts its requests. `/health_generate` runs a one-token greedy probe when idle and answers 200
+without one while requests run or generation is paused (the model can generate on continue).
 """
 
 from __future__ import annotations
