@@ -32,7 +32,7 @@ def run(cfg: Config) -> dict[str, Any]:
     prompts = PromptSource(cfg, model_dir)
     gen = cfg.actor_infer.generating_args
     learner = make_learner(
-        cfg.actor_train.strategy_args.strategy_name,
+        cfg.actor_train.strategy_args.strategy_name, world_size=plan.world_size,
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=gen.temperature, total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout,
         seed=cfg.seed,
@@ -65,6 +65,8 @@ def run(cfg: Config) -> dict[str, Any]:
             logger.log(step, metrics)
             if ckpt_due(cfg, step):
                 ckpt.save(step, learner, cluster.extra_state(prompts, step), prompts.tokenizer)
+    if hasattr(learner, "close"):
+        learner.close()
     return logger.close()
 
 

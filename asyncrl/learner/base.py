@@ -29,8 +29,13 @@ class Learner(Protocol):
         """Restore what `state_dict` returned."""
 
 
-def make_learner(name: str, **kwargs: Any) -> Learner:
-    """Build the learner for a strategy name; heavy backends are imported only when chosen."""
+def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
+    """Build the learner for a strategy name; heavy backends are imported only when chosen.
+    `world_size` > 1 runs the torch learner as that many data-parallel processes."""
+    if name == "fsdp2_train" and world_size > 1:
+        from asyncrl.learner.distributed import DistributedTorchLearner
+
+        return DistributedTorchLearner(world_size, **kwargs)
     if name == "fsdp2_train":
         from asyncrl.learner.torch_learner import TorchLearner
 

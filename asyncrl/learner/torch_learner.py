@@ -7,6 +7,7 @@ passes of mini-batches, each one optimizer step accumulated over micro-batches â
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -44,12 +45,15 @@ class TorchLearner:
         total_steps: int,
         device: str = "cpu",
         seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(seed)
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
+        self.rank, self.world_size = rank, world_size
         dtype = DTYPES[train.model_args.dtype or "fp32"]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
         if not train.model_args.disable_gradient_checkpointing:
@@ -57,6 +61,13 @@ class TorchLearner:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.reference = self._frozen_copy() if actor.use_kl_loss else None
+        # Data parallel: every rank holds a replica; DDP all-reduces (averages) the gradients.
+        # The default process group must already exist (see asyncrl.learner.distributed).
+        self.train_model: torch.nn.Module = self.model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.train_model = DistributedDataParallel(self.model)
         self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, self._lr_lambda(total_steps)
@@ -123,8 +134,12 @@ class TorchLearner:
         groups = sorted(groups, key=lambda g: g.group_id)
         data = collate(groups, self.pad_id).to_torch(self.device)
         data["response_mask"] = data["response_mask"].float()
+        total_rows = data["input_ids"].shape[0]
+        if self.world_size > 1:  # this rank's shard: global row r lives on rank r % world
+            data = select_rows(data, torch.arange(self.rank, total_rows, self.world_size))
         prep, metrics = self._prepare(data)
-        metrics.update(self._optimise(data, prep))
+        metrics.update(self._optimise(data, prep, total_rows))
+        metrics = self._average_over_ranks(metrics)
         self.version += 1
         metrics.update(
             {
@@ -171,37 +186,59 @@ class TorchLearner:
             ref = batched_logprobs(self.reference, data, self.temperature, infer_bs)
         return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
 
-    def _optimise(self, data: dict[str, torch.Tensor], prep: dict[str, Any]) -> dict[str, float]:
-        rows = data["input_ids"].shape[0]
-        mini = self.actor.ppo_mini_batch_size or rows
+    def _optimise(
+        self, data: dict[str, torch.Tensor], prep: dict[str, Any], total_rows: int
+    ) -> dict[str, float]:
+        """`ppo_epochs` passes of global mini-batches; every rank walks the same global order
+        (same seed) and trains on the rows of each mini-batch that it holds."""
+        mini = self.actor.ppo_mini_batch_size or total_rows
         gen = torch.Generator().manual_seed(self.version)
         sums: dict[str, float] = {}
         updates = 0
         self.model.train()
         for _ in range(self.actor.ppo_epochs):
-            order = (
-                torch.randperm(rows, generator=gen) if self.actor.shuffle else torch.arange(rows)
-            )
-            for start in range(0, rows, mini):
-                for key, value in self._mini_batch(data, prep, order[start : start + mini]).items():
+            order = torch.arange(total_rows)
+            if self.actor.shuffle:
+                order = torch.randperm(total_rows, generator=gen)
+            for start in range(0, total_rows, mini):
+                rows = order[start : start + mini]
+                local = rows[rows % self.world_size == self.rank] // self.world_size
+                for key, value in self._mini_batch(data, prep, local, len(rows)).items():
                     sums[key] = sums.get(key, 0.0) + value
                 updates += 1
         return {k: v / max(1, updates) for k, v in sums.items()}
 
     def _mini_batch(
-        self, data: dict[str, torch.Tensor], prep: dict[str, Any], rows: torch.Tensor
+        self,
+        data: dict[str, torch.Tensor],
+        prep: dict[str, Any],
+        rows: torch.Tensor,
+        global_rows: int,
     ) -> dict[str, float]:
-        """One optimizer step over `rows`, accumulated over micro-batches of the per-device size."""
+        """One optimizer step over `rows` (this rank's part of a mini-batch of `global_rows`),
+        accumulated over micro-batches of the per-device size; DDP syncs on the last one."""
         micro = self.train.training_args.per_device_train_batch_size
         self.optimizer.zero_grad(set_to_none=True)
-        totals = {"tokens": prep["mask"][rows].sum().clamp(min=1.0), "seqs": float(len(rows))}
+        tokens = prep["mask"][rows].sum()
+        if self.world_size > 1:
+            torch.distributed.all_reduce(tokens)
+        totals = {"tokens": tokens.clamp(min=1.0), "seqs": float(global_rows)}
+        chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
         sums: dict[str, float] = {}
-        for start in range(0, len(rows), micro):
-            idx = rows[start : start + micro]
-            loss, metrics = self._micro_loss(data, prep, idx, totals)
-            loss.backward()
+        if not chunks:  # no rows here this time: a zero-loss pass keeps DDP's collectives matched
+            loss, _ = self._micro_loss(data, prep, torch.zeros(1, dtype=torch.long), totals)
+            (loss * 0.0).backward()
+        for i, idx in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = contextlib.nullcontext()
+            if self.world_size > 1 and not last:
+                sync = self.train_model.no_sync()
+            with sync:
+                loss, metrics = self._micro_loss(data, prep, idx, totals)
+                # DDP averages gradients over ranks; the loss is normalised globally already.
+                (loss * self.world_size).backward()
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * len(idx) / len(rows)
+                sums[key] = sums.get(key, 0.0) + value * len(idx) / max(1, len(rows))
         max_norm = self.train.training_args.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf")
@@ -223,7 +260,7 @@ class TorchLearner:
         micro = select_rows(data, idx)
         mask = prep["mask"][idx]
         logp, entropy = token_logprobs(
-            self.model, micro, self.temperature, with_entropy=actor.entropy_coeff != 0
+            self.train_model, micro, self.temperature, with_entropy=actor.entropy_coeff != 0
         )
         extra = {}
         if actor.policy_loss.loss_mode in LOSSES_NEEDING_BEHAV:
@@ -252,6 +289,15 @@ class TorchLearner:
         else:
             share = len(idx) / totals["seqs"]
         return loss * share, metrics
+
+    def _average_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Every rank computes the same metric keys on its shard; report their mean."""
+        if self.world_size == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(values)
+        return {k: float(v) / self.world_size for k, v in zip(keys, values, strict=True)}
 
     # -- weights and state -------------------------------------------------------------------
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -135,8 +135,8 @@ def greedy_responses(
     batch_size: int = 64,
     template: str = "none",
 ) -> list[str]:
-    """Greedy continuations of ``prompts`` (batched, left padding), special tokens kept so the
-    end marker stays visible. The model's train/eval mode and the tokenizer's padding side are
+    """Greedy continuations of ``prompts`` (batched, left padding), cut after the first EOS,
+    which is kept so the end marker stays visible. The model's train/eval mode and the tokenizer's padding side are
     restored afterwards (the training loop calls this mid-run)."""
     import torch
 
@@ -158,7 +158,10 @@ def greedy_responses(
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
                 )
-            responses += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :])
+            for row in out[:, enc["input_ids"].shape[1] :].tolist():
+                if tokenizer.eos_token_id in row:  # finished rows are padded after their EOS
+                    row = row[: row.index(tokenizer.eos_token_id) + 1]
+                responses.append(tokenizer.decode(row))
     finally:
         model.train(was_training)
         tokenizer.padding_side = old_side
