@@ -270,3 +270,12 @@ def test_generic_decode_refuses_bad_specs() -> None:
     deep = b"\x91" * 100_000 + b"\xc0"
     with pytest.raises(DecodeError):
         decode_arrays([msgpack.packb([1, "arrays", {}, {}])[:-1] + b"\x81\xa1k" + deep])
+
+
+def test_decode_error_is_one_bounded_line() -> None:
+    frames = encode_group(make_group())
+    header = _header(frames)
+    header[3]["group_id\n" + "x" * 5000] = 1  # an unknown, hostile field name
+    with pytest.raises(DecodeError) as info:
+        decode_group(_reencode(frames, header))
+    assert "\n" not in str(info.value) and len(str(info.value)) < 500

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from asyncrl.learner.distributed import DistributedTorchLearner
-from tests.test_torch_learner import _groups, _learner, model_dir  # noqa: F401 - fixture
+from tests.test_torch_learner import _groups, _learner
 
 
 @pytest.mark.parametrize("extra", [[], ["actor.ppo_mini_batch_size=4", "actor.shuffle=true"]])
-def test_two_ranks_match_one_process(model_dir, extra):  # noqa: F811
+def test_two_ranks_match_one_process(tiny_model, extra):
+    model_dir = tiny_model
     single = _learner(model_dir, *extra)
     kwargs = {
         "model_path": model_dir, "train": single.train, "actor": single.actor,

@@ -6,21 +6,8 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
-
 from asyncrl.config import load_config
-from asyncrl.models.tiny import TinyModelSpec, build_model, build_tokenizer
 from asyncrl.run import run
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tok = build_tokenizer()
-    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
-    build_model(spec, tok).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def shrunk(model_dir, out, *extra):

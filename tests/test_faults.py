@@ -12,7 +12,7 @@ import time
 
 from asyncrl.checkpoint import load_msgpack
 from asyncrl.run import run
-from tests.test_e2e import shrunk, tiny_model  # noqa: F401 - the fixture is reused
+from tests.test_e2e import shrunk
 
 
 def _pids(pattern: str, parent: int | None = None) -> list[int]:
@@ -25,7 +25,7 @@ def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_kill_engine_and_actor_mid_run(tiny_model, tmp_path):  # noqa: F811
+def test_kill_engine_and_actor_mid_run(tiny_model, tmp_path):
     cfg = shrunk(tiny_model, tmp_path, "max_steps=8", "async.max_staleness=2")
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(summary=run(cfg)), daemon=True)

@@ -20,29 +20,14 @@ from asyncrl.rollout.client import (
     GenerateRequest,
     launch_hf_server,
 )
+from tests.helpers import random_qwen2
 
 EOS = 1
 LONG = 400  # tokens (>= ~1.5 ms each on any CPU): a pause 0.2 s in lands mid-generation
 
 
 def make_tiny_model(path, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=2048,
-        eos_token_id=EOS,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(cfg)
-    model.save_pretrained(path)
-    return model.eval()
+    return random_qwen2(path, seed=seed, eos=EOS)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ import json
 
 from asyncrl.checkpoint import load_msgpack
 from asyncrl.run import run
-from tests.test_e2e import shrunk, tiny_model  # noqa: F401 - the fixture is reused
+from tests.test_e2e import shrunk
 
 
 def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_stop_and_resume(tiny_model, tmp_path):  # noqa: F811
+def test_stop_and_resume(tiny_model, tmp_path):
     common = ("async.max_staleness=2", "rollout.max_inflight_prompts=3")
     run(shrunk(tiny_model, tmp_path, "max_steps=2", *common))
     saved = load_msgpack(tmp_path / "checkpoints" / "step_2" / "extra.msgpack")

@@ -11,18 +11,12 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.torch_learner import TorchLearner
-from asyncrl.models.tiny import TinyModelSpec, build_model, build_tokenizer
 from asyncrl.types import TrajectoryGroup, collate
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer()
-    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
-    build_model(spec, tok).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+@pytest.fixture
+def model_dir(tiny_model):
+    return tiny_model
 
 
 def _groups(n_groups=2, n=3, seed=0, version=0):

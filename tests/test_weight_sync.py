@@ -18,31 +18,13 @@ from aiohttp import web
 from asyncrl.rollout.client import EngineClient, GenerateRequest, free_port, launch_hf_server
 from asyncrl.weights.buckets import flat_layout, flatten_bucket, unflatten_bucket
 from asyncrl.weights.sync import WeightSender, WeightSyncError, bucketize
+from tests.helpers import random_qwen2
 
 GROUP_TIMEOUT = 4.0
 
 
 def make_tiny_model(path=None, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    for p in model.parameters():  # larger weights than the default init: peakier logits
-        p.data.normal_(0, 0.3)
-    if path is not None:
-        model.save_pretrained(path)
-    return model
+    return random_qwen2(path, seed=seed, eos=1, init_std=0.3)
 
 
 # ---- pure functions ----------------------------------------------------------------------------
