@@ -197,3 +197,24 @@ def test_control_calls_and_success_flags():
         assert await client.flush_cache() is True
 
     asyncio.run(with_fake(test))
+
+
+def test_per_token_versions_extension_is_parsed_and_checked():
+    from asyncrl.rollout.client import EngineReplyError, parse_completion
+
+    meta = {
+        "finish_reason": {"type": "length"},
+        "weight_version": "3",
+        "prompt_tokens": 2,
+        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+    }
+    reply = {"output_ids": [5, 6], "meta_info": meta}
+    assert parse_completion("u", reply, True).token_versions() == [3, 3]  # SGLang: per request
+    meta["output_token_weight_versions"] = ["default", "3"]
+    assert parse_completion("u", reply, True).token_versions() == [0, 3]
+    meta["output_token_weight_versions"] = ["3"]
+    with pytest.raises(EngineReplyError, match="one version per output token"):
+        parse_completion("u", reply, True)
+    meta["output_token_weight_versions"] = ["x", "3"]
+    with pytest.raises(EngineReplyError, match="non-integer"):
+        parse_completion("u", reply, True)

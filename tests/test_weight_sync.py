@@ -181,3 +181,26 @@ def test_stalled_engine_during_sync_is_named_then_group_recovers(server):
             await sender.close()
 
     asyncio.run(go())
+
+
+def test_in_place_update_mid_generation_stamps_each_token_with_its_version(server):
+    """A weight update lands while a long request runs (pause in_place): tokens sampled before
+    carry the old version, tokens after the new one, and the request finishes normally."""
+    model = make_tiny_model(seed=11)
+
+    async def go():
+        async with EngineClient(server.url, timeout=60) as client:
+            sender = WeightSender(group_name="inplace", timeout_s=GROUP_TIMEOUT)
+            await sender.init_group([client], backend="gloo")
+            params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
+            task = asyncio.create_task(client.generate_one(GenerateRequest(PROMPT, params)))
+            await asyncio.sleep(0.3)
+            await sender.sync(model.named_parameters(), 7, pause_mode="in_place")
+            out = await task
+            await sender.close()
+        versions = out.token_versions()
+        assert out.finish_reason == "length" and len(versions) == 300
+        assert versions == sorted(versions) and versions[-1] == 7 and versions[0] < 7
+        assert out.version == 7
+
+    asyncio.run(go())

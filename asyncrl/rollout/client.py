@@ -59,6 +59,7 @@ class Completion:
     weight_version: str  # as the engine reports it (SGLang versions are strings)
     prompt_tokens: int
     rid: str = ""
+    output_token_versions: list[str] | None = None  # asyncrl's hf server only
 
     @property
     def version(self) -> int | None:
@@ -73,10 +74,13 @@ class Completion:
     def token_versions(self) -> list[int]:
         """The policy version of every output token.
 
-        SGLang reports one version per request (the one current when it finished), so every
-        token gets it; tokens sampled before an in-place/retract weight update are labelled
-        with the newer version (their logprobs are still the sampling policy's own).
+        asyncrl's hf server reports the version that sampled each token. SGLang reports one
+        version per request (the one current when it finished), so every token gets it; tokens
+        sampled before an in-place/retract weight update are then labelled with the newer
+        version (their logprobs are still the sampling policy's own).
         """
+        if self.output_token_versions is not None:
+            return [_as_version(v) for v in self.output_token_versions]
         if self.version is None:
             raise ValueError(f"weight_version {self.weight_version!r} is not an integer version")
         return [self.version] * len(self.output_ids)
@@ -107,6 +111,11 @@ def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
     logprobs: list[float] = []
     if want_logprob:
         logprobs = _parse_logprobs(meta.get("output_token_logprobs"), out, bad)
+    versions = meta.get("output_token_weight_versions")
+    if versions is not None and (not isinstance(versions, list) or len(versions) != len(out)):
+        raise bad("output_token_weight_versions is not one version per output token")
+    if versions is not None and not all(_is_version(v) for v in versions):
+        raise bad("output_token_weight_versions holds a non-integer version")
     return Completion(
         output_ids=out,
         output_logprobs=logprobs,
@@ -114,7 +123,17 @@ def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
         weight_version=str(meta["weight_version"]),
         prompt_tokens=prompt_tokens,
         rid=str(meta.get("id", "")),
+        output_token_versions=[str(v) for v in versions] if versions is not None else None,
     )
+
+
+def _is_version(v: object) -> bool:
+    return v == "default" or _is_int(v) or (isinstance(v, str) and v.lstrip("-").isdigit())
+
+
+def _as_version(v: str) -> int:
+    """SGLang's initial "default" counts as version 0."""
+    return 0 if v == "default" else int(v)
 
 
 def _parse_logprobs(entries: object, out: list[int], bad) -> list[float]:

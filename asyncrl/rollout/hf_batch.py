@@ -118,6 +118,7 @@ class Seq:
     return_logprob: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    token_versions: list[str] = field(default_factory=list)  # weight version per output token
     finish: dict | None = None
     generator: torch.Generator | None = None
     weight_version: str = ""

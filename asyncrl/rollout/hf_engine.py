@@ -210,6 +210,7 @@ class HFEngine:
         for i, (s, tok, lp) in enumerate(zip(b.seqs, tokens, lps)):
             s.output_ids.append(tok)
             s.logprobs.append(lp)
+            s.token_versions.append(self.weight_version)
             stop = tok in s.params.stop_token_ids or (
                 tok in self.eos_ids and not s.params.ignore_eos
             )

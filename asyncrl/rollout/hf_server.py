@@ -125,6 +125,9 @@ def _reply(seq: Seq) -> dict:
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": 0,
         "weight_version": seq.weight_version,
+        # asyncrl extension (SGLang reports only the version at finish): the version that
+        # sampled each token, exact across in-place and retract weight updates.
+        "output_token_weight_versions": list(seq.token_versions),
         "e2e_latency": time.monotonic() - seq.created,
     }
     if seq.return_logprob:
