@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import timeit
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "what": "header encode + typed decode per message, microseconds (best of 5)",
         "python": sys.version.split()[0],
         "machine": platform.processor() or platform.machine(),
+        "loadavg_1m": os.getloadavg()[0],  # this box is shared: context for the figures
         "msgpack_version": ".".join(map(str, msgpack.version)),
         "msgspec_version": msgspec.__version__,
         "groups": rows,

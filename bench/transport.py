@@ -223,7 +223,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("groups / s (log)")
     ax.set_title("TrajectoryGroup transport, n=8 (one sender, one receiver, loopback)")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(methods), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -73,10 +73,14 @@ def _decode_only_decode_error(frames: list[Any]) -> None:
     try:
         group = decode_group(frames)
     except DecodeError as e:
-        assert str(e) and "\n" not in str(e)
+        assert str(e) and "\n" not in str(e) and len(str(e)) <= 500
         return
     assert isinstance(group, TrajectoryGroup)
-    assert decode_group(encode_group(group)) == group
+    # Re-encodes to the same bytes (compared as bytes: metadata may hold a NaN, NaN != NaN).
+    again = encode_group(decode_group(encode_group(group)))
+    assert [bytes(memoryview(f)) for f in again] == [
+        bytes(memoryview(f)) for f in encode_group(group)
+    ]
 
 
 def _paths(obj: Any) -> list[tuple[Any, Any]]:
@@ -184,6 +188,7 @@ def test_mutated_generic_quick(data: st.DataObject) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~5 min on an idle 2-core box; far longer on a loaded one
 @SLOW
 @given(random_frames)
 def test_random_bytes_slow(frames: list[bytes]) -> None:
@@ -191,6 +196,7 @@ def test_random_bytes_slow(frames: list[bytes]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @settings(SLOW, max_examples=100_000)
 @given(mutated())
 def test_mutated_groups_slow(frames: list[bytes]) -> None:

@@ -170,6 +170,8 @@ def test_stream_state_dict_round_trip(tmp_path, tok):
     resumed.load_state_dict(state)
     assert [resumed.next_prompt().index for _ in range(15)] == expected
     assert resumed.state_dict() == stream.state_dict()
+    keys = [stream.next_prompt().key for _ in range(10)]
+    assert keys[0] == "e2-i8" and len(set(keys)) == 10
     with pytest.raises(DatasetError, match="dataset changed"):
         PromptStream(records[:5], tok).load_state_dict(state)
 

@@ -149,5 +149,27 @@ def test_config_variants_and_refusals():
     with pytest.raises(hm.MappingError, match="mixture-of-experts"):
         hm.ModelShape.from_hf_config({**CFG, "num_experts": 8})
     bad = qkv_rule()
-    with pytest.raises(hm.MappingError, match="linear_qkv"):
-        hm.to_megatron(bad, [torch.zeros(32, 32), torch.zeros(8, 32), torch.zeros(8, 32)], shape())
+    with pytest.raises(hm.MappingError, match="KV heads"):
+        hm.to_megatron(bad, [torch.zeros(32, 32), torch.zeros(4, 32), torch.zeros(8, 32)], shape())
+    with pytest.raises(hm.MappingError, match="linear_qkv.weight: HF tensors give"):
+        hm.to_megatron(bad, [torch.zeros(32, 16), torch.zeros(8, 16), torch.zeros(8, 16)], shape())
+
+
+def test_checkpoint_reader_and_writer_round_trip(tmp_path, tiny):
+    """The lazy safetensors reader the Megatron loader uses, and the HF writer of
+    save_pretrained: tensors come back bit-exact, with an index and the config files."""
+    from asyncrl.learner.megatron_weights import HFCheckpoint, save_hf
+
+    tiny.save_pretrained(tmp_path / "src")
+    ckpt = HFCheckpoint(tmp_path / "src")
+    state = tiny.state_dict()
+    s = shape(2)
+    mcore = dict(hm.hf_to_megatron(ckpt, s))  # lazy per-tensor reads, no full load
+    assert len(mcore) == len(hm.rules(s))
+    with pytest.raises(hm.MappingError, match="no tensor 'nope'"):
+        ckpt("nope")
+    save_hf(iter(state.items()), tmp_path / "src", tmp_path / "out")
+    back = HFCheckpoint(tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").exists()
+    for name, tensor in state.items():
+        assert torch.equal(back(name), tensor), name

@@ -56,7 +56,7 @@ def test_tokenizer_round_trip():
 def test_warm_start_lowers_the_loss(small_model_dir):
     tok = build_tokenizer()
     rows = make_rows(SMALL.task, "train", 64, seed=9)
-    batch = tiny._collate(tiny._encode_examples(tok, SMALL, rows), tok.pad_token_id)
+    batch = tiny._collate(tiny._encode_examples(tok, rows, "none"), tok.pad_token_id)
     fresh = build_model(SMALL, tok)  # the same initialisation, before the warm-start
     trained = AutoModelForCausalLM.from_pretrained(small_model_dir)
     with torch.no_grad():

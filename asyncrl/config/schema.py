@@ -279,6 +279,38 @@ class RolloutConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: str = ""
+    """Environment by registry name (frozenlake, sokoban, guess_number, math_tool, gym) or a
+    `package.module:Class` path; see asyncrl/envs/."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The environment's own sub-config, passed as keyword arguments to its constructor."""
+    max_turns: int = 8
+    """Most model turns per episode; an episode still running then ends with `max_turns`. The
+    whole episode response (generated + observation tokens) is capped by `response_length`."""
+    max_tokens_per_turn: int | None = None
+    """Generated tokens per turn; null: actor_infer.generating_args.max_new_tokens or
+    response_length (always also bounded by what is left of response_length)."""
+    step_timeout_s: float = 30.0
+    """A reset or step taking longer fails its episode (the thread is abandoned, never reused)."""
+    template: Literal["native", "none"] = "native"
+    """native: observations go through the tokenizer's chat template; none: raw text turns (each
+    observation's contents joined by newlines after the model's EOS)."""
+    return_mode: Literal["sum", "final"] = "sum"
+    """Episode return: the sum of the per-turn rewards, or the last turn's reward."""
+    advantage_mode: Literal["trajectory", "per_step"] = "trajectory"
+    """trajectory: algorithm.adv_estimator over episode returns, one value per episode; per_step:
+    each turn's tokens get its discounted return-to-go, normalised over the group's turns."""
+    gamma: float = 1.0
+    """Turn-level discount of the per_step advantages."""
+    num_seeds: int = 100000
+    """Training seeds (seed_offset .. seed_offset + num_seeds - 1), one prompt each, reshuffled
+    every epoch like a dataset."""
+    seed_offset: int = 0
+    """First training seed."""
+
+
+@dataclass
 class LoggingConfig:
     console: bool = True
     """Live rich console view."""
@@ -332,6 +364,8 @@ class Config:
     """Policy loss (verl's actor keys), epochs, checkpointing, optimizer."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """What the user sees and where metrics go."""
+    env: EnvConfig | None = None
+    """Agentic multi-turn rollouts in an environment; null: single-turn prompts and a reward."""
 
 
 #: Dataclass field names that differ from their YAML key (Python keywords).

@@ -29,6 +29,8 @@ RS_CRITERIA = tuple(
     + ["seq_max_k2", "seq_max_k3"]
 )
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+# Estimators an env run computes in the rollout actor (asyncrl.algo.episode keeps them equal).
+EPISODE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 # Strategy names per role; removed backends map to the error that names their replacement.
 STRATEGIES = {
@@ -52,6 +54,8 @@ def validate(cfg: Config) -> None:
             _check_worker(role, worker)
     _check_algorithm(cfg)
     _check_actor(cfg)
+    if cfg.env is not None:
+        _check_env(cfg)
 
 
 def _positive(path: str, value: float, allow_zero: bool = False) -> None:
@@ -165,3 +169,27 @@ def _check_actor(cfg: Config) -> None:
             "actor.policy_loss.loss_mode: decoupled needs algorithm.correction_mode: decoupled "
             "(bypass has no proximal policy)"
         )
+
+
+def _check_env(cfg: Config) -> None:
+    """Names are checked without importing the environment (a dotted path only by its form)."""
+    from asyncrl.envs.registry import BUILTIN_ENVS, is_dotted_path
+
+    env = cfg.env
+    if not env.name:
+        raise ConfigError(f"env.name: set one of {', '.join(sorted(BUILTIN_ENVS))} or a path")
+    if env.name not in BUILTIN_ENVS and not is_dotted_path(env.name):
+        raise ConfigError(
+            f"env.name: {env.name!r} is not one of {', '.join(sorted(BUILTIN_ENVS))} "
+            "nor a 'package.module:Class' path"
+        )
+    _positive("env.max_turns", env.max_turns)
+    _positive("env.step_timeout_s", env.step_timeout_s)
+    _positive("env.num_seeds", env.num_seeds)
+    if env.max_tokens_per_turn is not None:
+        _positive("env.max_tokens_per_turn", env.max_tokens_per_turn)
+    if not 0 <= env.gamma <= 1:
+        raise ConfigError(f"env.gamma must be in [0, 1], got {env.gamma}")
+    _one_of("algorithm.adv_estimator (with env)", cfg.algorithm.adv_estimator, EPISODE_ESTIMATORS)
+    if cfg.algorithm.overlong_buffer_len:
+        raise ConfigError("algorithm.overlong_buffer_len is not supported with env (set it to 0)")

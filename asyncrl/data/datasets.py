@@ -48,6 +48,7 @@ class Prompt:
     text: str
     metadata: dict[str, Any]
     index: int  # position of the record in the dataset (stable across epochs)
+    key: str  # "e<epoch>-i<position in the epoch>": unique over a run, usable as a group id
 
 
 # ---- reading files ----------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class PromptStream:
 
     The position (epoch, index into that epoch's order) and counters round-trip through
     ``state_dict``/``load_state_dict``, so a resumed run continues with the very next prompt.
+    Not thread-safe: one consumer, or the caller serialises ``next_prompt``.
     """
 
     def __init__(
@@ -275,11 +277,12 @@ class PromptStream:
             if self.index >= len(self.records):
                 self.epoch, self.index = self.epoch + 1, 0
             position = int(self._order_for(self.epoch)[self.index])
+            key = f"e{self.epoch}-i{self.index}"
             self.index += 1
             record = self.records[position]
             text, ids = encode(record, self.tokenizer, self.template)
             if self.prompt_length is None or len(ids) <= self.prompt_length:
-                return Prompt(ids, text, dict(record.metadata), position)
+                return Prompt(ids, text, dict(record.metadata), position, key)
             self._overlong(record, len(ids))
         raise DatasetError(
             f"{self.records[0].source}: every prompt is longer than prompt_length={self.prompt_length}"

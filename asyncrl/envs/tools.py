@@ -93,10 +93,10 @@ def check_arguments(tool: Tool, args: Mapping[str, Any]) -> None:
     props = tool.parameters.get("properties", {})
     missing = [k for k in tool.parameters.get("required", []) if k not in args]
     unknown = [k for k in args if k not in props]
-    if missing or unknown:
-        raise ToolCallError(
-            f"{tool.name}: missing arguments {missing}" if missing else f"unknown {unknown}"
-        )
+    if missing:
+        raise ToolCallError(f"{tool.name}: missing arguments {missing}")
+    if unknown:
+        raise ToolCallError(f"{tool.name}: unknown arguments {unknown}")
     for key, value in args.items():
         types = _JSON_TYPES.get(props[key].get("type", ""), (object,))
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):

@@ -152,6 +152,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: ModelShape) -
     ng, per, d = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
     if s.num_heads % ng:
         raise MappingError(f"{s.num_heads} heads do not split into {ng} KV groups")
+    if (q.shape[0], k.shape[0], v.shape[0]) != (s.num_heads * d, ng * d, ng * d):
+        raise MappingError(
+            f"q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows; {s.num_heads} heads and "
+            f"{ng} KV heads of size {d} need {s.num_heads * d}/{ng * d}/{ng * d}"
+        )
     rest = q.shape[1:]
     parts = (q.reshape(ng, per * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest))
     return torch.cat(parts, dim=1).reshape(ng * (per + 2) * d, *rest)

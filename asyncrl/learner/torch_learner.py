@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +16,10 @@ from typing import Any
 
 import torch
 
-from asyncrl.algo.importance import (
-    apply_rollout_is,
-    normalize_weights_to_batch_mean,
-    select_old_log_prob,
-)
-from asyncrl.algo.kl import entropy_bonus, kl_loss
-from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams, get_policy_loss
-from asyncrl.algo.rejection import rejection_mask
+from asyncrl.algo.importance import select_old_log_prob
+from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner.common import correct, loss_params, lr_factor, micro_share, objective
 from asyncrl.learner.logprobs import batched_logprobs, select_rows, token_logprobs
 from asyncrl.types import TrajectoryGroup, collate
 
@@ -72,22 +66,7 @@ class TorchLearner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, self._lr_lambda(total_steps)
         )
-        self.loss_params = PolicyLossParams(
-            clip_ratio=actor.clip_ratio,
-            clip_ratio_low=actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c,
-            **{
-                k: getattr(actor.policy_loss, k)
-                for k in (
-                    "clip_cov_ratio",
-                    "clip_cov_lb",
-                    "clip_cov_ub",
-                    "kl_cov_ratio",
-                    "ppo_kl_coef",
-                )
-            },
-        )
+        self.loss_params = loss_params(actor)
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
 
     # -- construction helpers ----------------------------------------------------------------
@@ -111,21 +90,7 @@ class TorchLearner:
         )
 
     def _lr_lambda(self, total_steps: int):
-        targs, floor = self.train.training_args, self.actor.optim.min_lr_ratio
-        warmup, kind = targs.warmup_steps, targs.lr_scheduler_type
-        total = max(1, total_steps)
-
-        def factor(step: int) -> float:
-            if warmup and step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            if kind == "linear":
-                return floor + (1 - floor) * (1 - progress)
-            if kind == "cosine":
-                return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-            return 1.0
-
-        return factor
+        return lr_factor(self.train.training_args, self.actor.optim, total_steps)
 
     # -- the update --------------------------------------------------------------------------
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -162,25 +127,7 @@ class TorchLearner:
         if alg.correction_mode == "decoupled":
             recomputed = batched_logprobs(self.model, data, self.temperature, infer_bs)
         old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
-        weights, metrics = apply_rollout_is(
-            old,
-            rollout,
-            mask,
-            rollout_is=alg.rollout_is,
-            rollout_is_level=alg.rollout_is_level,
-            rollout_is_mode=alg.rollout_is_mode,
-            rollout_is_threshold=alg.rollout_is_threshold,
-            rollout_is_threshold_lower=alg.rollout_is_threshold_lower,
-            rollout_is_veto_threshold=alg.rollout_is_veto_threshold,
-        )
-        if alg.rollout_rs:
-            criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
-            mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
-            metrics.update(rs_metrics)
-        if weights is not None and alg.rollout_is_batch_normalize:
-            weights = normalize_weights_to_batch_mean(weights, mask)
-        if self.actor.policy_loss.loss_mode in LOSSES_NEEDING_BEHAV:
-            weights = None  # the decoupled loss applies exp(prox - behav) itself
+        weights, mask, metrics = correct(alg, self.actor.policy_loss.loss_mode, old, rollout, mask)
         ref = None
         if self.reference is not None:
             ref = batched_logprobs(self.reference, data, self.temperature, infer_bs)
@@ -262,33 +209,12 @@ class TorchLearner:
         logp, entropy = token_logprobs(
             self.train_model, micro, self.temperature, with_entropy=actor.entropy_coeff != 0
         )
-        extra = {}
-        if actor.policy_loss.loss_mode in LOSSES_NEEDING_BEHAV:
-            extra["behav_log_prob"] = micro["rollout_logprobs"]
-        weights = prep["weights"][idx] if prep["weights"] is not None else None
-        loss, metrics = self.loss_fn(
-            logp, prep["old"][idx], micro["advantages"], mask, actor.loss_agg_mode,
-            self.loss_params, weights, **extra,
-        )  # fmt: skip
-        metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = float(loss.detach())
-        if entropy is not None:
-            bonus, mean_entropy = entropy_bonus(
-                entropy, mask, actor.entropy_coeff, actor.loss_agg_mode
-            )
-            loss = loss + bonus
-            metrics["actor/entropy"] = mean_entropy
-        if prep["ref"] is not None:
-            kl = kl_loss(logp, prep["ref"][idx], mask, actor.kl_loss_type, actor.loss_agg_mode)
-            loss = loss + actor.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = float(kl.detach())
-        # Aggregate over the whole mini-batch, not per micro-batch: token-mean weighs each
-        # micro-batch by its share of tokens, the sequence means by their share of sequences.
-        if actor.loss_agg_mode == "token-mean":
-            share = mask.sum() / totals["tokens"]
-        else:
-            share = len(idx) / totals["seqs"]
-        return loss * share, metrics
+        rows = {k: prep[k][idx] if prep[k] is not None else None for k in ("old", "weights", "ref")}
+        rows.update(mask=mask, advantages=micro["advantages"])
+        rows["rollout_logprobs"] = micro["rollout_logprobs"]
+        loss, metrics = objective(actor, self.loss_fn, self.loss_params, logp, entropy, rows)
+        # Aggregate over the whole mini-batch, not per micro-batch (see common.micro_share).
+        return loss * micro_share(actor.loss_agg_mode, mask, len(idx), totals), metrics
 
     def _average_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """Every rank computes the same metric keys on its shard; report their mean."""

@@ -42,17 +42,17 @@ class TinyModelSpec:
     task: ArithmeticTask = field(default_factory=ArithmeticTask)
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_layers: int = 4
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 512
     train_rows: int = 12_000
     heldout_rows: int = 500
-    steps: int = 400
+    steps: int = 600
     batch_size: int = 128
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    chat_fraction: float = 0.0  # share of warm-start examples rendered with the chat template
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    chat_fraction: float = 0.1  # share of warm-start batches rendered with the chat template
     seed: int = 0
 
     def digest(self) -> str:
@@ -187,16 +187,9 @@ def evaluate_accuracy(
     return sum(arithmetic_exact(r["prompt"], t, r) for r, t in zip(rows, texts)) / len(rows)
 
 
-def _encode_examples(tokenizer: Any, spec: TinyModelSpec, rows: list[dict[str, str]]) -> list:
+def _encode_examples(tokenizer: Any, rows: list[dict[str, str]], template: str) -> list:
     """(input_ids, labels) per row; labels are -100 on the prompt so only the answer is learned."""
-    import random
-
-    rng = random.Random(spec.seed)
-    chat = {i for i in range(len(rows)) if rng.random() < spec.chat_fraction}
-    raw = [r["prompt"] for r in rows]
-    texts = [
-        render_prompts(tokenizer, [p], "native")[0] if i in chat else p for i, p in enumerate(raw)
-    ]
+    texts = render_prompts(tokenizer, [r["prompt"] for r in rows], template)
     prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
     examples = []
@@ -226,9 +219,12 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
 
     import torch
 
-    examples = _encode_examples(
-        tokenizer, spec, make_rows(spec.task, "train", spec.train_rows, spec.seed)
-    )
+    rows = make_rows(spec.task, "train", spec.train_rows, spec.seed)
+    # Raw and chat-templated examples go in separate batches: mixing them would pad every raw
+    # example to the (3x longer) chat length.
+    pools = {"none": _encode_examples(tokenizer, rows, "none")}
+    if spec.chat_fraction > 0:
+        pools["native"] = _encode_examples(tokenizer, rows, "native")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def lr_at(step: int) -> float:
@@ -238,14 +234,12 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
         return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    rng, order, loss = random.Random(spec.seed), [], float("nan")
+    rng, loss = random.Random(spec.seed), float("nan")
     model.train()
     torch.manual_seed(spec.seed)
     for _ in range(spec.steps):
-        if len(order) < spec.batch_size:
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-        batch = [examples[order.pop()] for _ in range(spec.batch_size)]
+        pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
+        batch = [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
         out = model(**_collate(batch, tokenizer.pad_token_id))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -327,3 +321,19 @@ def ensure_embedded_model(
             file=sys.stderr,
         )
     return final
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m asyncrl.models.tiny [--cache-dir DIR]``: build (once) and print the report."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the embedded tiny model (cached).")
+    parser.add_argument("--cache-dir", default=None, help="default: ~/.cache/asyncrl")
+    args = parser.parse_args(argv)
+    path = ensure_embedded_model(args.cache_dir)
+    print(path)
+    print((path / MARKER).read_text(), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.config.schema import EnvConfig
 from asyncrl.types import TrajectoryGroup
 
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
@@ -54,6 +55,8 @@ class ActorSettings:
     overlong_penalty_factor: float = 1.0
     request_timeout_s: float = 300.0
     seed: int = 0
+    env: EnvConfig | None = None  # set: multi-turn episodes (EpisodeBuilder) instead of prompts
+    max_total_tokens: int = 0  # env episodes: cap on all response tokens (response_length)
 
 
 @dataclass
@@ -169,13 +172,22 @@ class GroupBuilder:
         return adv[:, 0].numpy()
 
 
+def make_builder(settings: ActorSettings) -> GroupBuilder | Any:
+    """Single-turn prompts (GroupBuilder) or multi-turn environment episodes (EpisodeBuilder)."""
+    if settings.env is not None:
+        from asyncrl.rollout.multiturn import EpisodeBuilder
+
+        return EpisodeBuilder(settings)
+    return GroupBuilder(settings)
+
+
 class RolloutWorker:
     """The rollout actor's body: build groups and push them to the learner over ZMQ."""
 
     def __init__(self, settings: ActorSettings) -> None:
         from asyncrl.transport.zmq import Sender, SenderConfig
 
-        self.builder = GroupBuilder(settings)
+        self.builder = make_builder(settings)
         # A ZMQ socket belongs to one thread: it is created and used only by this one worker.
         self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-send")
         config = SenderConfig(host=settings.transport_host, port=settings.transport_port)

@@ -24,6 +24,7 @@ from asyncrl.replay.queue import DuplicateGroupError
 from asyncrl.rollout.actor import ActorSettings, PromptItem
 from asyncrl.rollout.dispatch import Dispatcher
 from asyncrl.rollout.engines import EngineSet
+from asyncrl.rollout.episode_metrics import episode_metrics
 from asyncrl.rollout.ray_pool import RayActorPool
 
 
@@ -64,6 +65,8 @@ def actor_settings(
         overlong_penalty_factor=cfg.algorithm.overlong_penalty_factor,
         request_timeout_s=cfg.rollout.request_timeout_s,
         seed=cfg.seed,
+        env=cfg.env,
+        max_total_tokens=cfg.response_length,
     )
 
 
@@ -221,6 +224,7 @@ class RolloutCluster:
         out.update(self.dispatcher.metrics())
         out.update(self.engines.metrics())
         out.update({f"rollout/{k}": float(v) for k, v in self.counters.items()})
+        out.update(episode_metrics(groups))
         stats = self.receiver.stats()
         out.update({"transport/received": stats.received, "transport/rejected": stats.rejected})
         return out

@@ -21,34 +21,20 @@ from asyncrl.rollout.actor import PromptItem
 class EngineSet:
     def __init__(self, cfg: Config, model_dir: Path, runner: Any) -> None:
         self.cfg, self.model_dir, self.runner = cfg, model_dir, runner
-        infer = cfg.actor_infer
-        if infer.strategy_args.strategy_name != "hf_infer":
-            raise NotImplementedError(
-                f"actor_infer.strategy_args.strategy_name {infer.strategy_args.strategy_name!r}: "
-                "only hf_infer engines are launched by this version"
-            )
-        self.num_engines = max(1, len(infer.device_mapping) // infer.num_gpus_per_worker)
+        from asyncrl.rollout.launchers import make_launcher
+
         self.handles: list[Any] = []
         self.clients: list[Any] = []
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
         self.log_dir = Path(cfg.output_dir) / "engine_logs"
+        # hf_infer or sglang (asyncrl.rollout.launchers): engines, their tp size and device.
+        self.launcher = make_launcher(cfg.actor_infer, model_dir, self.log_dir, cfg.seed)
+        self.num_engines = self.launcher.num_engines
 
     # -- processes ---------------------------------------------------------------------------
     def _launch(self, index: int, port: int | None = None) -> Any:
-        from asyncrl.rollout.hf_launch import launch_hf_server
-
-        infer = self.cfg.actor_infer
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        return launch_hf_server(
-            self.model_dir,
-            port=port,
-            dtype=infer.model_args.dtype or "fp32",
-            max_batch_size=int(infer.strategy_args.strategy_config.get("max_batch_size", 64)),
-            seed=self.cfg.seed + index,
-            log_dir=self.log_dir,
-            timeout_s=180.0,
-        )
+        return self.launcher.launch(index, port)
 
     def start(self, learner: Any) -> None:
         from asyncrl.rollout.client import EngineClient
@@ -68,18 +54,21 @@ class EngineSet:
         return self.runner.run(make())
 
     def _init_group(self) -> None:
+        from asyncrl.device import resolve_backend
+
         ws = self.cfg.weight_sync
-        backend = "gloo" if ws.backend == "auto" else ws.backend
+        backend = resolve_backend(ws.backend, self.launcher.device)  # auto: nccl|hccl|gloo
+        tp_sizes = [self.launcher.tp_size] * len(self.clients)  # engine i joins at 1 + i*tp
+        args = (self.clients, ws.master_address, ws.master_port or None, backend, ws.timeout_s)
         self.runner.run(
-            self.sender.init_group(
-                self.clients, ws.master_address, ws.master_port or None, backend, ws.timeout_s
-            ),
+            self.sender.init_group(*args, tp_sizes=tp_sizes),
             timeout=ws.timeout_s + 30,
         )
 
     def urls_for_actor(self, index: int, num_actors: int) -> list[str]:
-        """Every actor may use every engine; actors start on different ones."""
-        urls = [h.url for h in self.handles]
+        """Every actor may use every engine; actors start on different ones. With a router
+        (sglang, several engines) every actor generates through the router."""
+        urls = self.launcher.actor_urls([h.url for h in self.handles])
         shift = index % len(urls)
         return urls[shift:] + urls[:shift]
 
@@ -108,6 +97,7 @@ class EngineSet:
             self.runner.run(client.close(), timeout=10)
         for handle in self.handles:
             handle.stop()
+        self.launcher.close()
 
     # -- weights -----------------------------------------------------------------------------
     def sync(self, learner: Any) -> dict[str, float]:

@@ -36,6 +36,10 @@ class PromptSource:
 
     def _load_rows(self, cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         data = cfg.actor_train.data_args
+        if cfg.env is not None:  # env runs: the prompts are env seeds, no held-out split
+            from asyncrl.rollout.env_prompts import seed_rows
+
+            return seed_rows(cfg.env), []
         if not data.file_name:
             from asyncrl.data.synthetic import make_rows
             from asyncrl.models.tiny import DEFAULT_SPEC
@@ -57,6 +61,8 @@ class PromptSource:
         return order
 
     def _item(self, key: str, row: dict[str, Any]) -> PromptItem | None:
+        if "env_seed" in row:  # the episode builder resets the env and templates the prompt
+            return PromptItem(key=key, prompt_ids=[], metadata=dict(row))
         text = self.render(row)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids or len(ids) > self.prompt_length:

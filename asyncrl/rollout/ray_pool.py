@@ -8,6 +8,7 @@ dispatcher re-issues those prompts. Ray starts locally unless `RAY_ADDRESS` name
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,9 @@ class RayActorPool:
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
         if not self.refs:
+            # Nothing in flight: wait out the timeout as ray.wait would. Returning at once made
+            # the dispatcher spin a core (and the GIL) whenever admission was closed.
+            time.sleep(timeout)
             return []
         ready, _ = self._ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout)
         out = []

@@ -52,7 +52,21 @@ TORCH_DTYPES: frozenset[str] = frozenset(NUMPY_DTYPES) | {
 
 
 class DecodeError(ValueError):
-    """A message is not a valid record (malformed, truncated, oversized, wrong version/kind)."""
+    """A message is not a valid record (malformed, truncated, oversized, wrong version/kind).
+
+    The reason is one printable line of bounded length: it quotes untrusted input (field
+    names, group ids) and ends up in logs.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(_one_line(reason))
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = text if len(text) <= limit else text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class EncodeError(ValueError):

@@ -64,13 +64,18 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 def bucketize(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    split_dtypes: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group `(name, tensor)` pairs into buckets of at most `bucket_bytes` bytes, in order.
 
     Lazy: a bucket is yielded as soon as it is full, so the caller never holds more than one
     bucket of (possibly converted) tensors. A tensor larger than `bucket_bytes` gets a bucket of
-    its own. Empty input yields nothing.
+    its own. Empty input yields nothing. `split_dtypes` also starts a new bucket whenever the
+    dtype changes: SGLang's flattened receiver concatenates the raw bytes without padding and
+    views each slice as its dtype, so one dtype per bucket is the layout both sides share (the
+    aligned offsets of `flat_layout` then never add padding).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -78,7 +83,8 @@ def bucketize(
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor_nbytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
+        new_dtype = split_dtypes and bucket and bucket[-1][1].dtype != tensor.dtype
+        if bucket and (size + nbytes > bucket_bytes or new_dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))

@@ -3,14 +3,15 @@
 The group is NOT the process-global default group: the learner may already run DDP/FSDP in its
 own default group, and an engine may belong to several update groups (one per `group_name`).
 Rendezvous goes through a fresh `TCPStore` at `master_address:master_port` hosted by rank 0,
-prefixed by the group name.
+under the key prefixes SGLang's `init_custom_process_group` produces (its store wrapped in
+`PrefixStore(group_name)`, then torch's group helper adds `group_name/` and the device).
 
-- gloo: a `ProcessGroupGloo` is built directly on that store. When the master address is a
+- gloo: a `ProcessGroupGloo` is built directly on those keys. When the master address is a
   loopback address the gloo device binds to 127.0.0.1 (CI, one host); otherwise gloo's default
   device is used (it honours `GLOO_SOCKET_IFNAME`).
-- nccl / hccl: built through `torch.distributed.distributed_c10d._new_process_group_helper`, the
-  route SGLang's own `init_custom_process_group` takes, so the engine side of a real SGLang
-  server and this learner side agree. (hccl needs `torch_npu` imported to register itself.)
+- nccl / hccl: built through `torch.distributed.distributed_c10d._new_process_group_helper` with
+  the same group name, exactly SGLang's route, so the engine side of a real SGLang server and
+  this learner side agree. (hccl needs `torch_npu` imported to register itself.)
 
 Every collective goes through `broadcast`, which waits with the group's timeout: a peer that
 never joins makes the call raise instead of hanging.
@@ -64,8 +65,12 @@ def create_group(
             timeout=timeout,
             wait_for_workers=False,
         )
-        store = dist.PrefixStore(f"asyncrl/{group_name}", store)
         if backend == "gloo":
+            # The keys torch's helper uses for a gloo group made SGLang's way (see
+            # _accelerator_group): PrefixStore(name) / "name/" / "cpu/". Same keys, so a
+            # gloo SGLang receiver and asyncrl's hf receiver both meet this sender.
+            for prefix in (group_name, f"{group_name}/", "cpu/"):
+                store = dist.PrefixStore(prefix, store)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
             if _is_loopback(master_address):
@@ -85,6 +90,9 @@ def create_group(
 
 
 def _accelerator_group(backend, store, rank, world_size, group_name, timeout):
+    """Exactly SGLang's `init_custom_process_group` key layout: the rendezvous store wrapped in
+    `PrefixStore(group_name)`, then torch's helper with the same `group_name` (it adds its own
+    `group_name/` prefix). Any other prefix and the NCCL ids never meet: the sync hangs."""
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
     if backend == "hccl":
@@ -95,8 +103,8 @@ def _accelerator_group(backend, store, rank, world_size, group_name, timeout):
         rank,
         [],
         dist.Backend(backend),
-        store,
-        group_name=f"asyncrl_{group_name}",
+        dist.PrefixStore(group_name, store),
+        group_name=group_name,
         timeout=timeout,
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -125,6 +133,16 @@ def broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int = 
 
 def destroy_group(group: dist.ProcessGroup) -> None:
     """Best effort: release the group's sockets/communicators."""
+    from torch.distributed.distributed_c10d import _world
+
+    # Groups made by torch's helper (nccl/hccl) are registered under their name; destroying
+    # them through torch frees the name, so a re-init after a heal may reuse it.
+    if group in _world.pg_map:
+        try:
+            dist.destroy_process_group(group)
+            return
+        except Exception:  # noqa: BLE001 - fall through to a plain shutdown
+            pass
     try:
         if hasattr(group, "shutdown"):
             group.shutdown()

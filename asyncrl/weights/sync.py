@@ -172,7 +172,8 @@ class WeightSender:
             await self._control(lambda e: e.pause(pause_mode), f"pause({pause_mode})")
         converted = ((n, self._prepare(t, dtype)) for n, t in named_tensors)
         try:
-            for bucket, last in _with_last(bucketize(converted, bucket_bytes)):
+            flat = load_format == "flattened_bucket"  # one dtype per flattened bucket
+            for bucket, last in _with_last(bucketize(converted, bucket_bytes, split_dtypes=flat)):
                 nbytes += await self._send_bucket(
                     bucket, version if last else None, load_format, flush_cache and last, nbuckets
                 )

@@ -1,0 +1,130 @@
+"""What every learner backend computes the same way, whatever runs the model.
+
+The torch learner and the Megatron learner differ in how they get per-token logprobs (a
+transformers forward vs. vocab-parallel cross-entropy over TP shards) and in how they step the
+optimizer; everything between — rollout IS and rejection, the policy objective with its entropy
+and KL terms, the micro-batch share of a mini-batch loss, the learning-rate schedule — is here,
+once, so both backends optimise exactly the same objective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.algo.importance import apply_rollout_is, normalize_weights_to_batch_mean
+from asyncrl.algo.kl import entropy_bonus, kl_loss
+from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams
+from asyncrl.algo.rejection import rejection_mask
+from asyncrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig, TrainingArgs
+
+_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+
+
+def loss_params(actor: ActorConfig) -> PolicyLossParams:
+    return PolicyLossParams(
+        clip_ratio=actor.clip_ratio,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        **{k: getattr(actor.policy_loss, k) for k in _LOSS_KEYS},
+    )
+
+
+def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate at optimizer step `step` (warm-up, then decay)."""
+    floor, warmup, kind = optim.min_lr_ratio, targs.warmup_steps, targs.lr_scheduler_type
+    total = max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        if kind == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def correct(
+    alg: AlgorithmConfig,
+    loss_mode: str,
+    old: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """Rollout IS weights, the rejection-filtered loss mask and the mismatch metrics.
+
+    `old` is the proximal policy (recomputed, or the rollout logprobs in bypass mode). The
+    decoupled loss applies exp(prox - behav) itself, so it gets no separate weights.
+    """
+    weights, metrics = apply_rollout_is(
+        old,
+        rollout,
+        mask,
+        rollout_is=alg.rollout_is,
+        rollout_is_level=alg.rollout_is_level,
+        rollout_is_mode=alg.rollout_is_mode,
+        rollout_is_threshold=alg.rollout_is_threshold,
+        rollout_is_threshold_lower=alg.rollout_is_threshold_lower,
+        rollout_is_veto_threshold=alg.rollout_is_veto_threshold,
+    )
+    if alg.rollout_rs:
+        criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
+        mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
+        metrics.update(rs_metrics)
+    if weights is not None and alg.rollout_is_batch_normalize:
+        weights = normalize_weights_to_batch_mean(weights, mask)
+    if loss_mode in LOSSES_NEEDING_BEHAV:
+        weights = None
+    return weights, mask, metrics
+
+
+def objective(
+    actor: ActorConfig,
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]],
+    params: PolicyLossParams,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    batch: dict[str, torch.Tensor | None],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss + entropy bonus + KL loss of one micro-batch (not yet scaled by its share).
+
+    `batch` holds the micro-batch rows of: old, advantages, mask, weights (or None),
+    rollout_logprobs and ref (or None).
+    """
+    mask = batch["mask"]
+    extra = {}
+    if actor.policy_loss.loss_mode in LOSSES_NEEDING_BEHAV:
+        extra["behav_log_prob"] = batch["rollout_logprobs"]
+    loss, raw = loss_fn(
+        logp, batch["old"], batch["advantages"], mask, actor.loss_agg_mode, params,
+        batch["weights"], **extra,
+    )  # fmt: skip
+    metrics = {f"actor/{k}": v for k, v in raw.items()}
+    metrics["actor/pg_loss"] = float(loss.detach())
+    if entropy is not None:
+        bonus, mean_entropy = entropy_bonus(entropy, mask, actor.entropy_coeff, actor.loss_agg_mode)
+        loss = loss + bonus
+        metrics["actor/entropy"] = mean_entropy
+    if batch.get("ref") is not None:
+        kl = kl_loss(logp, batch["ref"], mask, actor.kl_loss_type, actor.loss_agg_mode)
+        loss = loss + actor.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = float(kl.detach())
+    return loss, metrics
+
+
+def micro_share(
+    loss_agg_mode: str, mask: torch.Tensor, rows: int, totals: dict[str, Any]
+) -> torch.Tensor | float:
+    """This micro-batch's weight in its mini-batch loss: token-mean weighs micro-batches by
+    their share of tokens, the sequence means by their share of sequences."""
+    if loss_agg_mode == "token-mean":
+        return mask.sum() / totals["tokens"]
+    return rows / totals["seqs"]

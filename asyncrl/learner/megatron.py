@@ -1,0 +1,159 @@
+"""`megatron_train`: the Megatron-core learner behind the `Learner` protocol.
+
+Rank 0 runs in the driver process, so weight sync (`weights_for_sync` streams full HF tensors
+straight from its device into the NCCL/HCCL broadcast) and checkpoints stay where the loop is.
+With `len(actor_train.device_mapping)` > 1, ranks 1..W-1 are Ray actors, each pinned to its
+device id (the visibility variable, with Ray told not to override it). Every call is mirrored
+on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts of an
+export while rank 0 yields. One node; multi-node placement is not done here.
+
+The reference policy for the KL loss (`actor.use_kl_loss`; `reference.strategy_args:
+megatron_infer`) is a frozen copy with the same parallel layout, from `reference_path` when
+given, else the initial actor weights. Nothing here imports Megatron at module load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.device import DeviceSpec, detect_device, device_spec
+from asyncrl.learner.megatron_worker import MegatronWorker, require_megatron
+
+__all__ = ["MegatronLearner", "require_megatron"]
+
+NOSET = {"cuda": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+         "npu": "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"}  # fmt: skip
+
+
+class _RemoteRank:
+    """Ray actor body: one Megatron rank that mirrors rank 0's calls."""
+
+    def __init__(self, kwargs: dict, rank: int, world: int, init_method: str, kind: str) -> None:
+        self.worker = MegatronWorker(**kwargs, rank=rank, world_size=world,
+                                     init_method=init_method, device=device_spec(kind))  # fmt: skip
+
+    def step(self, groups: list) -> dict[str, float]:
+        return self.worker.step(groups)
+
+    def logprobs(self, groups: list) -> None:
+        self.worker.logprobs(groups)  # takes part; rank 0 returns the result
+
+    def drain_export(self) -> None:
+        for _ in self.worker.export():  # takes part in the gathers; yields nothing off rank 0
+            pass
+
+    def load_hf(self, named: dict) -> None:
+        self.worker.load_hf(named)
+
+
+class MegatronLearner:
+    """`Learner` over Megatron-core; same constructor arguments as `TorchLearner`."""
+
+    def __init__(self, model_path: str | Path, train: Any, actor: Any, algorithm: Any,
+                 temperature: float, total_steps: int, seed: int = 0,
+                 reference_path: str | Path | None = None,
+                 device: DeviceSpec | None = None) -> None:  # fmt: skip
+        require_megatron()
+        device = device or detect_device()
+        mapping = list(train.device_mapping) or [0]
+        kwargs = dict(model_path=str(model_path), train=train, actor=actor, algorithm=algorithm,
+                      temperature=temperature, total_steps=total_steps, seed=seed,
+                      reference_path=reference_path)  # fmt: skip
+        from asyncrl.rollout.hf_launch import free_port
+
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.model_path, self.remotes, self._ray = Path(model_path), [], None
+        if len(mapping) > 1:
+            self._start_remotes(kwargs, mapping, init_method, device)
+        self.local = MegatronWorker(**kwargs, rank=0, world_size=len(mapping),
+                                    init_method=init_method, device=device,
+                                    local_device=mapping[0])  # fmt: skip
+
+    def _start_remotes(self, kwargs: dict, mapping: list[int], init: str, dev: DeviceSpec) -> None:
+        import ray
+
+        from asyncrl.rollout.ray_pool import init_ray
+
+        init_ray()
+        self._ray = ray
+        remote_cls = ray.remote(num_cpus=0)(_RemoteRank)
+        for rank in range(1, len(mapping)):
+            env = (
+                {NOSET[dev.kind]: "1", **dev.visibility([mapping[rank]])}
+                if dev.kind in NOSET
+                else {}
+            )
+            actor = remote_cls.options(runtime_env={"env_vars": env})
+            self.remotes.append(actor.remote(kwargs, rank, len(mapping), init, dev.kind))
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.local.version = value
+
+    def _mirror(self, method: str, *args: Any) -> list:
+        if not self.remotes:
+            return []
+        refs = [self._ray.put(a) for a in args]
+        return [getattr(r, method).remote(*refs) for r in self.remotes]
+
+    def step(self, groups: list) -> dict[str, float]:
+        pending = self._mirror("step", groups)
+        metrics = self.local.step(groups)
+        for other in self._ray.get(pending) if pending else []:
+            metrics = metrics or other  # the last pipeline stage reports
+        metrics["learner/world_size"] = float(len(self.remotes) + 1)
+        return metrics
+
+    def logprobs(self, groups: list) -> torch.Tensor | None:
+        """Per-token logprobs [B, R] of `groups` under the current policy (group-id order)."""
+        pending = self._mirror("logprobs", groups)
+        out = self.local.logprobs(groups)
+        if pending:
+            self._ray.get(pending)
+        return out
+
+    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors from rank 0, streamed (one parameter gathered at a time)."""
+        pending = self._mirror("drain_export")
+        yield from self.local.export()
+        if pending:
+            self._ray.get(pending)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from asyncrl.learner.megatron_weights import save_hf
+
+        save_hf(self.weights_for_sync(), self.model_path, Path(path))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Version, schedule position and the full HF-named weights. The optimizer state is
+        rank-local; it is kept for a single-rank run only."""
+        model = {n: t.detach().to("cpu") for n, t in self.weights_for_sync()}
+        state = {"version": self.version, "lr_step": self.local.lr_step, "model": model}
+        if not self.remotes:
+            state["optimizer"] = self.local.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "model" in state:
+            pending = self._mirror("load_hf", state["model"])
+            self.local.load_hf(state["model"])
+            if pending:
+                self._ray.get(pending)
+        if state.get("optimizer") is not None and not self.remotes:
+            self.local.optimizer.load_state_dict(state["optimizer"])
+        self.local.lr_step = int(state.get("lr_step", self.local.lr_step))
+        self.version = int(state.get("version", self.version))
+
+    def close(self) -> None:
+        for remote in self.remotes:
+            self._ray.kill(remote, no_restart=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

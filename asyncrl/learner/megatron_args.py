@@ -1,0 +1,197 @@
+"""`actor_train` config + the HF model config -> the keyword arguments of Megatron-core 0.16.
+
+Pure Python (no Megatron, no torch): the worker turns these dicts into
+`parallel_state.initialize_model_parallel(**parallel)`, `TransformerConfig(**transformer)`,
+`GPTModel(**model)`, `DistributedDataParallelConfig(**ddp)` and `OptimizerConfig(**optimizer)`,
+so every pass-through is testable on the CPU.
+
+`strategy_config` keys (ROLL's names; the MindSpeed table's knobs):
+- parallel sizes: tensor_model_parallel_size, pipeline_model_parallel_size,
+  virtual_pipeline_model_parallel_size, context_parallel_size, expert_model_parallel_size,
+  expert_tensor_parallel_size;
+- sequence_parallel, recompute_granularity (full | selective), recompute_method (uniform |
+  block), recompute_num_layers, recompute_modules, and moe_* keys -> TransformerConfig;
+- use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32,
+  bucket_size -> DistributedDataParallelConfig (and the optimizer where it has the field);
+- transformer_impl: local | transformer_engine | auto (default: TE when importable);
+- use_bridge: auto | true | false (Megatron-Bridge for the model and its HF conversion);
+- override_transformer_config: a mapping applied last to TransformerConfig (MindSpeed's keys).
+Anything else is an error naming the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PARALLEL = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+TRANSFORMER = ("sequence_parallel", "recompute_granularity", "recompute_method")
+TRANSFORMER += ("recompute_num_layers", "recompute_modules")
+DDP = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather")
+DDP += ("grad_reduce_in_fp32", "bucket_size")
+OWN = ("transformer_impl", "use_bridge", "override_transformer_config")
+CHOICES = {
+    "recompute_granularity": ("full", "selective", None),
+    "recompute_method": ("uniform", "block", None),
+    "transformer_impl": ("local", "transformer_engine", "auto"),
+    "use_bridge": ("auto", True, False),
+}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class MegatronConfigError(ValueError):
+    """A Megatron strategy_config that cannot be run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class MegatronPlan:
+    parallel: dict[str, Any]
+    """initialize_model_parallel kwargs."""
+    transformer: dict[str, Any]
+    """TransformerConfig kwargs; `activation_func` is a name ("silu"), the worker resolves it."""
+    model: dict[str, Any]
+    """GPTModel kwargs besides config, spec and the pipeline-stage flags."""
+    ddp: dict[str, Any]
+    """DistributedDataParallelConfig kwargs."""
+    optimizer: dict[str, Any]
+    """OptimizerConfig kwargs; `params_dtype` is a name, like the transformer's dtypes."""
+    transformer_impl: str
+    use_bridge: bool | str
+
+
+def check_options(sc: Mapping[str, Any]) -> None:
+    known = set(PARALLEL + TRANSFORMER + DDP + OWN)
+    for key, value in sc.items():
+        if key not in known and not key.startswith("moe_"):
+            raise MegatronConfigError(f"actor_train.strategy_args.strategy_config.{key} is not a "
+                                      "Megatron option asyncrl knows (see asyncrl.learner."
+                                      "megatron_args)")  # fmt: skip
+        if key in CHOICES and value not in CHOICES[key]:
+            raise MegatronConfigError(f"strategy_config.{key}: {value!r} is not one of "
+                                      f"{', '.join(map(str, CHOICES[key]))}")  # fmt: skip
+    for key in PARALLEL:
+        value = sc.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise MegatronConfigError(
+                f"strategy_config.{key} must be a positive int, got {value!r}"
+            )
+    if sc.get("recompute_method") and not sc.get("recompute_num_layers"):
+        raise MegatronConfigError("strategy_config.recompute_method needs recompute_num_layers")
+
+
+def parallel_kwargs(sc: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: int(sc.get(k) or 1) for k in PARALLEL if k != "virtual_pipeline_model_parallel_size"}
+    out["virtual_pipeline_model_parallel_size"] = sc.get("virtual_pipeline_model_parallel_size")
+    if sc.get("expert_tensor_parallel_size") is None:  # Megatron's default: follow TP
+        out["expert_tensor_parallel_size"] = None
+    return out
+
+
+def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any]) -> dict[str, Any]:
+    """TransformerConfig for a dense Llama/Qwen2-family model: RMSNorm, SwiGLU, RoPE, GQA, no
+    dropout (the learner must score tokens exactly as the engine sampled them)."""
+    heads = hf["num_attention_heads"]
+    out: dict[str, Any] = {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "gated_linear_unit": True,
+        "activation_func": hf.get("hidden_act", "silu"),
+        "add_bias_linear": False,
+        "add_qkv_bias": hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
+        "qk_layernorm": hf.get("model_type") == "qwen3",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": hf.get("initializer_range", 0.02),
+        "attention_softmax_in_fp32": True,
+        "variable_seq_lengths": True,  # micro-batches differ in rows (pipeline shapes are sent)
+        "moe_token_dispatcher_type": "alltoall",  # allgather refuses variable_seq_lengths
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,  # needs apex's fused wgrad kernels
+        "persist_layer_norm": False,
+        "bf16": dtype == "bf16",
+        "fp16": dtype == "fp16",
+        "params_dtype": DTYPES[dtype],
+        "pipeline_dtype": DTYPES[dtype],
+    }
+    out.update({k: v for k, v in parallel_kwargs(sc).items() if v is not None})
+    out.update({k: sc[k] for k in TRANSFORMER if k in sc})
+    out.update({k: v for k, v in sc.items() if k.startswith("moe_")})
+    out.update(dict(sc.get("override_transformer_config") or {}))
+    return out
+
+
+def model_kwargs(hf: Mapping[str, Any], padded_vocab: int) -> dict[str, Any]:
+    if hf.get("rope_scaling"):
+        raise MegatronConfigError("rope_scaling models need Megatron-Bridge (use_bridge: true)")
+    if hf.get("use_sliding_window"):
+        raise MegatronConfigError("sliding-window attention is not in the built-in Megatron path")
+    return {
+        "vocab_size": padded_vocab,
+        "max_sequence_length": hf.get("max_position_embeddings", 4096),
+        "position_embedding_type": "rope",
+        "rotary_percent": 1.0,
+        "rotary_base": int(hf.get("rope_theta", 10000)),
+        "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
+        "parallel_output": True,  # logits stay vocab-parallel: vocab_parallel_cross_entropy
+    }
+
+
+def ddp_kwargs(sc: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"grad_reduce_in_fp32": True, "check_for_nan_in_grad": True}
+    out.update({k: sc[k] for k in DDP if k in sc})
+    return out
+
+
+def optimizer_kwargs(train: Any, optim: Any, dtype: str, sc: Mapping[str, Any]) -> dict[str, Any]:
+    targs = train.training_args
+    return {
+        "optimizer": "sgd" if optim.name == "sgd" else "adam",  # Megatron's adam is AdamW
+        "lr": targs.learning_rate,
+        "min_lr": targs.learning_rate * optim.min_lr_ratio,
+        "weight_decay": targs.weight_decay,
+        "adam_beta1": optim.betas[0],
+        "adam_beta2": optim.betas[1],
+        "adam_eps": optim.eps,
+        "clip_grad": float(targs.max_grad_norm),
+        "bf16": dtype == "bf16",
+        "fp16": dtype == "fp16",
+        "params_dtype": DTYPES[dtype],
+        "use_distributed_optimizer": bool(sc.get("use_distributed_optimizer", False)),
+        "overlap_param_gather": bool(sc.get("overlap_param_gather", False)),
+    }
+
+
+def plan(
+    train: Any, optim: Any, hf: Mapping[str, Any], padded_vocab: int, builtin: bool = True
+) -> MegatronPlan:
+    """Everything the Megatron worker needs, from `actor_train` and the HF config.json
+    (`builtin=False`: Megatron-Bridge makes the model, so no GPTModel arguments)."""
+    sc = dict(train.strategy_args.strategy_config)
+    check_options(sc)
+    dtype = train.model_args.dtype or "bf16"
+    return MegatronPlan(
+        parallel=parallel_kwargs(sc),
+        transformer=transformer_kwargs(hf, dtype, sc),
+        model=model_kwargs(hf, padded_vocab) if builtin else {},
+        ddp=ddp_kwargs(sc),
+        optimizer=optimizer_kwargs(train, optim, dtype, sc),
+        transformer_impl=sc.get("transformer_impl", "auto"),
+        use_bridge=sc.get("use_bridge", "auto"),
+    )

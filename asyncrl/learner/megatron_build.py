@@ -1,0 +1,197 @@
+"""Building one rank's Megatron model: process groups, TransformerConfig, layer spec, GPTModel
+with HF weights (built-in mapping or Megatron-Bridge), DDP and the Megatron optimizer.
+
+Megatron-core 0.16 APIs, imported inside the functions only. The local layer spec needs no
+Transformer Engine; sequence parallelism and context parallelism do (Megatron's local RMSNorm
+and attention refuse them), which is checked here with an error naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.device import DeviceSpec
+from asyncrl.learner import hf_megatron as hm
+from asyncrl.learner import megatron_args as ma
+from asyncrl.learner import megatron_weights as mw
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    """DDP-wrapped when trainable (Bridge) or still bare (built-in: wrapped by `wrap`)."""
+    te: bool
+    """Transformer Engine layer spec (fused pre-norm names)."""
+    layout: list[tuple[int, int]]
+    """(first layer, layer count) per pipeline stage."""
+    bridge: Any = None
+    """The AutoBridge instance when Megatron-Bridge built the model."""
+
+
+def init_distributed(device: DeviceSpec, rank: int, world: int, init_method: str | None,
+                     local: int) -> None:  # fmt: skip
+    if device.kind == "cuda":
+        torch.cuda.set_device(local)
+    elif device.kind == "npu":
+        torch.npu.set_device(local)  # type: ignore[attr-defined]
+    if not torch.distributed.is_initialized():
+        from asyncrl.rollout.hf_launch import free_port
+
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        torch.distributed.init_process_group(
+            device.backend, init_method=init_method, rank=rank, world_size=world
+        )
+
+
+def init_parallel(plan: ma.MegatronPlan, seed: int) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    par = plan.parallel
+    if (par["virtual_pipeline_model_parallel_size"] or 1) > 1:
+        raise ma.MegatronConfigError("virtual pipeline stages are not supported by asyncrl yet")
+    if par["context_parallel_size"] > 1:
+        raise ma.MegatronConfigError(
+            "context_parallel_size > 1 is not supported yet: the RL batch is not split along "
+            "the sequence for CP ranks"
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**par)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def bridge_class(wanted: bool | str) -> Any:
+    """Megatron-Bridge's AutoBridge when it is to be used (true, or auto and installed)."""
+    if wanted is False:
+        return None
+    try:
+        from megatron.bridge import AutoBridge
+    except ImportError:
+        if wanted is True:
+            raise ImportError("use_bridge: true, but megatron-bridge is not installed") from None
+        return None
+    return AutoBridge
+
+
+def transformer_config(plan: ma.MegatronPlan, device: DeviceSpec) -> Any:
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(plan.transformer)
+    kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[kwargs["activation_func"]]
+    for key in ("params_dtype", "pipeline_dtype"):
+        kwargs[key] = getattr(torch, kwargs[key])
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
+    if extra and device.kind != "npu":
+        raise ma.MegatronConfigError(
+            f"override_transformer_config.{next(iter(extra))} is not a TransformerConfig field "
+            "of this megatron-core (MindSpeed's keys need the Ascend stack)"
+        )
+    config = TransformerConfig(**kwargs)
+    for key, value in extra.items():  # MindSpeed's features read their switches from here
+        setattr(config, key, value)
+    return config
+
+
+def layer_spec(plan: ma.MegatronPlan, config: Any, device: DeviceSpec) -> tuple[Any, bool]:
+    impl = plan.transformer_impl
+    if impl == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+
+            impl = "transformer_engine"
+        except ImportError:
+            impl = "local"
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm
+        ), True
+    if config.sequence_parallel and device.kind != "npu":  # MindSpeed patches the local norm
+        raise ma.MegatronConfigError(
+            "sequence_parallel needs transformer_impl: transformer_engine (Megatron's local layer "
+            "spec normalises with torch's RMSNorm, which refuses it)"
+        )
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return spec, False
+
+
+def build_builtin(plan: ma.MegatronPlan, shape: hm.ModelShape, path: Path, device: DeviceSpec,
+                  trainable: bool) -> Built:  # fmt: skip
+    """GPTModel for this pipeline stage with this rank's HF weight shards loaded."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config(plan, device)
+    spec, te = layer_spec(plan, config, device)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), **plan.model)  # fmt: skip
+    layout = mw.stage_layout(config, ps.get_pipeline_model_parallel_world_size())
+    offset = layout[ps.get_pipeline_model_parallel_rank()][0]
+    mw.load_hf_into(model, mw.HFCheckpoint(path), shape, te, offset)
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return Built(model, te, layout)
+
+
+def build_with_bridge(auto_bridge: Any, plan: ma.MegatronPlan, sc: dict, path: Path,
+                      trainable: bool) -> Built:  # fmt: skip
+    """AutoBridge: provider from the HF config, our parallel sizes and knobs, HF weights; the
+    provider wraps the trainable model in DDP itself."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    bridge = auto_bridge.from_hf_pretrained(str(path))
+    provider = bridge.to_megatron_provider(load_weights=True)
+    knobs = {k: sc[k] for k in ma.TRANSFORMER if k in sc}
+    knobs.update({k: v for k, v in sc.items() if k.startswith("moe_")})
+    knobs.update(dict(sc.get("override_transformer_config") or {}))
+    for key, value in {**plan.parallel, **knobs}.items():
+        setattr(provider, key, value)
+    provider.finalize()
+    chunks = provider.provide_distributed_model(
+        ddp_config=DistributedDataParallelConfig(**plan.ddp), wrap_with_ddp=trainable,
+        bf16=plan.optimizer["bf16"], fp16=plan.optimizer["fp16"],
+    )  # fmt: skip
+    model = chunks[0] if trainable else chunks[0].eval().requires_grad_(False)
+    config = mw.unwrap(model).config
+    layout = mw.stage_layout(config, ps.get_pipeline_model_parallel_world_size())
+    return Built(model, True, layout, bridge)
+
+
+def wrap(built: Built, plan: ma.MegatronPlan) -> tuple[torch.nn.Module, Any, Any]:
+    """(DDP model, Megatron optimizer, TransformerConfig) with the schedule's hooks set."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = mw.unwrap(built.model).config
+    if built.bridge is not None:
+        ddp = built.model
+    else:
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(**plan.ddp), built.model
+        )
+    opt_kwargs = dict(plan.optimizer, params_dtype=config.params_dtype)
+    optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [ddp])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    if plan.ddp.get("overlap_param_gather"):
+        config.param_sync_func = ddp.start_param_sync
+    return ddp, optimizer, config

@@ -1,0 +1,317 @@
+"""One rank of the Megatron learner (SPMD: every rank runs the same calls in the same order).
+
+Build: torch.distributed -> `parallel_state.initialize_model_parallel` -> TransformerConfig ->
+GPTModel on Megatron's local layer spec (or Transformer Engine's) with HF weights loaded
+shard by shard -> Float16Module (bf16/fp16) -> DistributedDataParallel -> Megatron optimizer.
+With Megatron-Bridge installed (and `use_bridge` not false) `AutoBridge` builds and converts.
+
+Step: the same as the torch learner (`asyncrl.learner.common`), with logprobs from
+vocab-parallel cross-entropy over `logits / temperature` and Megatron's pipeline schedule
+driving micro-batches. Rows are split over data-parallel ranks; the proximal (and reference)
+logprobs of the whole batch are gathered so IS, rejection and batch normalisation see the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from asyncrl.algo.importance import select_old_log_prob
+from asyncrl.algo.losses import get_policy_loss
+from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
+from asyncrl.learner import hf_megatron as hm
+from asyncrl.learner import megatron_args as ma
+from asyncrl.learner import megatron_batch as mb
+from asyncrl.learner import megatron_build as mbuild
+from asyncrl.learner import megatron_weights as mw
+from asyncrl.learner.common import correct, loss_params, lr_factor, micro_share, objective
+from asyncrl.types import collate
+
+
+def require_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "the megatron_train strategy needs megatron-core (pip install 'asyncrl[megatron]'; "
+            f"on Ascend also torch-npu and mindspeed): {e}"
+        ) from None
+
+
+class MegatronWorker:
+    def __init__(self, model_path, train, actor, algorithm, temperature, total_steps, seed=0,
+                 rank=0, world_size=1, init_method=None, device: DeviceSpec | None = None,
+                 local_device=0, reference_path=None) -> None:  # fmt: skip
+        self.device = device or detect_device()
+        prepare_megatron_imports(self.device)  # MindSpeed before Megatron, on Ascend
+        require_megatron()
+        self.model_path, self.train, self.actor = Path(model_path), train, actor
+        self.algorithm, self.temperature, self.version, self.lr_step = algorithm, temperature, 0, 0
+        self.lr_factor = lr_factor(train.training_args, actor.optim, total_steps)
+        self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
+        self.loss_params = loss_params(actor)
+        mbuild.init_distributed(self.device, rank, world_size, init_method, local_device)
+        hf = json.loads((self.model_path / "config.json").read_text())
+        self.vocab_size = hf["vocab_size"]
+        self.sc = dict(train.strategy_args.strategy_config)
+        ma.check_options(self.sc)
+        self.auto_bridge = mbuild.bridge_class(self.sc.get("use_bridge", "auto"))
+        tp = int(self.sc.get("tensor_model_parallel_size") or 1)
+        self.shape = None
+        if self.auto_bridge is None:
+            self.shape = hm.ModelShape.from_hf_config(hf).padded_to(tp)
+        rows = self.shape.vocab_rows if self.shape else 0
+        self.plan = ma.plan(train, actor.optim, hf, rows, builtin=self.shape is not None)
+        mbuild.init_parallel(self.plan, seed)
+        self.built = self._build(self.model_path, trainable=True)
+        self.reference = None
+        if actor.use_kl_loss:  # the reference policy (megatron_infer): frozen, same layout
+            ref_path = Path(reference_path or model_path)
+            self.reference = self._build(ref_path, trainable=False).model
+        self.ddp, self.optimizer, self.config = mbuild.wrap(self.built, self.plan)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def _build(self, path: Path, trainable: bool) -> mbuild.Built:
+        if self.auto_bridge is not None:
+            return mbuild.build_with_bridge(self.auto_bridge, self.plan, self.sc, path, trainable)
+        return mbuild.build_builtin(self.plan, self.shape, path, self.device, trainable)
+
+    # -- parallel helpers --------------------------------------------------------------------
+    def _ranks(self) -> tuple[int, int, bool]:
+        from megatron.core import parallel_state as ps
+
+        last = ps.is_pipeline_last_stage()
+        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), last
+
+    def _gather_rows(self, part: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """Concatenate every DP rank's contiguous row shard (last pipeline stage only)."""
+        from megatron.core import parallel_state as ps
+
+        dp, _, last = self._ranks()
+        if not last or dp == 1:
+            return part
+        width = -(-rows // dp)
+        padded = torch.zeros(width, *part.shape[1:], dtype=part.dtype, device=part.device)
+        padded[: len(part)] = part
+        out = torch.empty(dp * width, *part.shape[1:], dtype=part.dtype, device=part.device)
+        torch.distributed.all_gather_into_tensor(out, padded, group=ps.get_data_parallel_group())
+        keep = [torch.arange(len(mb.shard_rows(rows, dp, r))) + r * width for r in range(dp)]
+        return out[torch.cat(keep).to(out.device)]
+
+    # -- logprobs ----------------------------------------------------------------------------
+    def _token_logprobs(self, logits: torch.Tensor, data: dict, idx: torch.Tensor, entropy: bool):
+        from megatron.core import tensor_parallel
+
+        scaled = (
+            logits.float().div(self.temperature) if self.temperature > 0 else logits.float().clone()
+        )
+        scaled = self._mask_padded_vocab(scaled)
+        ent = self._entropy(scaled) if entropy else None
+        # vocab_parallel_cross_entropy shifts its input in place: give it its own copy
+        ce_in = scaled.clone() if ent is not None else scaled
+        per_pos = -tensor_parallel.vocab_parallel_cross_entropy(ce_in, data["labels"][idx])
+        lp = mb.gather_response(per_pos, data["resp_index"][idx])
+        return lp, (mb.gather_response(ent, data["resp_index"][idx]) if ent is not None else None)
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocabulary rows added to reach a multiple of TP are not tokens: exclude them from
+        the softmax (a finite minimum, so entropy's 0 * logit stays 0)."""
+        from megatron.core import parallel_state as ps
+
+        width = logits.shape[-1]
+        first = ps.get_tensor_model_parallel_rank() * width
+        if first + width <= self.vocab_size:
+            return logits
+        pad = torch.arange(first, first + width, device=logits.device) >= self.vocab_size
+        return logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        m = logits.detach().max(-1).values
+        torch.distributed.all_reduce(
+            m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group()
+        )
+        s, w = mb.entropy_partials(logits, m)
+        s, w = (
+            reduce_from_tensor_model_parallel_region(s),
+            reduce_from_tensor_model_parallel_region(w),
+        )
+        return mb.entropy_from_partials(m, s, w)
+
+    def _run(self, model, data, micro, loss_of, forward_only: bool) -> list:
+        """Megatron's schedule over `micro` (row-index tensors); loss_of(idx, logits)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, module):
+            idx = next(data_iterator)
+            out = module(data["tokens"][idx], data["position_ids"][idx], None)
+            return out, partial(loss_of, idx)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
+            num_microbatches=len(micro), seq_length=data["tokens"].shape[1],
+            micro_batch_size=max(len(m) for m in micro), forward_only=forward_only,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _batched_logprobs(self, model, data: dict) -> torch.Tensor | None:
+        """Logprobs of every row of the batch (each DP rank scores its shard, then gather)."""
+        dp, dp_rank, last = self._ranks()
+        rows = data["tokens"].shape[0]
+        mine = mb.shard_rows(rows, dp, dp_rank).to(data["tokens"].device)
+        micro = mb.micro_batches(mine, self.train.infer_batch_size) or [mine[:0]]
+
+        def loss_of(idx, logits):
+            lp, _ = self._token_logprobs(logits, data, idx, entropy=False)
+            return logits.new_zeros(()), {"logprobs": lp}
+
+        model.eval()
+        outs = self._run(model, data, micro, loss_of, forward_only=True)
+        part = torch.cat([o["logprobs"] for o in outs]) if last else None
+        return self._gather_rows(part, rows)
+
+    # -- the update --------------------------------------------------------------------------
+    def _data(self, groups: list) -> dict[str, torch.Tensor]:
+        """The collated batch (canonical group order) plus its right-aligned Megatron layout."""
+        groups = sorted(groups, key=lambda g: g.group_id)
+        where = torch.cuda.current_device() if self.device.kind == "cuda" else None
+        data = collate(groups, self.pad_id).to_torch(where or self.device.torch_device())
+        data["response_mask"] = data["response_mask"].float()
+        if data["input_ids"].shape[0] < self._ranks()[0]:
+            raise ValueError("the rollout batch has fewer sequences than data-parallel ranks")
+        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        data.update(mb.right_align(data, self.pad_id, multiple))
+        return data
+
+    def logprobs(self, groups: list) -> torch.Tensor | None:
+        """Per-token logprobs [B, R] under the current policy, rows in group-id order (on the
+        last pipeline stage; None on the others)."""
+        return self._batched_logprobs(self.ddp, self._data(groups))
+
+    def step(self, groups: list) -> dict[str, float]:
+        start = time.perf_counter()
+        data = self._data(groups)
+        prep, metrics = self._prepare(data)
+        metrics.update(self._optimise(data, prep))
+        self.version += 1
+        metrics.update({
+            "learner/step_seconds": time.perf_counter() - start,
+            "learner/lr": self.train.training_args.learning_rate * self.lr_factor(self.lr_step),
+            "learner/tokens": float(data["response_mask"].sum()),
+            "learner/sequences": float(data["response_mask"].shape[0]),
+        })  # fmt: skip
+        return metrics if self._ranks()[2] else {}
+
+    def _prepare(self, data: dict) -> tuple[dict | None, dict[str, float]]:
+        alg = self.algorithm
+        recomputed = None
+        if alg.correction_mode == "decoupled":
+            recomputed = self._batched_logprobs(self.ddp, data)
+        ref = self._batched_logprobs(self.reference, data) if self.reference is not None else None
+        if not self._ranks()[2]:
+            return None, {}
+        rollout, mask = data["rollout_logprobs"], data["response_mask"]
+        old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
+        weights, mask, metrics = correct(alg, self.actor.policy_loss.loss_mode, old, rollout, mask)
+        return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
+
+    def _optimise(self, data: dict, prep: dict | None) -> dict[str, float]:
+        rows = data["tokens"].shape[0]
+        mini = self.actor.ppo_mini_batch_size or rows
+        gen = torch.Generator().manual_seed(self.version)
+        dp, dp_rank, _ = self._ranks()
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.actor.ppo_epochs):
+            order = (
+                torch.randperm(rows, generator=gen) if self.actor.shuffle else torch.arange(rows)
+            )
+            for start in range(0, rows, mini):
+                batch = order[start : start + mini]
+                mine = batch[mb.shard_rows(len(batch), dp, dp_rank)]
+                for key, value in self._mini_batch(data, prep, mine, batch).items():
+                    sums[key] = sums.get(key, 0.0) + value
+                updates += 1
+        return {k: v / max(1, updates) for k, v in sums.items()}
+
+    def _mini_batch(self, data, prep, mine: torch.Tensor, batch: torch.Tensor) -> dict[str, float]:
+        """One optimizer step: Megatron divides each micro-batch loss by their number and DDP
+        averages over DP ranks; the loss is scaled back so the gradient is the mini-batch's."""
+        dp, _, last = self._ranks()
+        dev = data["tokens"].device
+        micro = mb.micro_batches(mine.to(dev), self.train.training_args.per_device_train_batch_size)
+        empty = not micro  # no rows here: a zero-weighted pass keeps the collectives matched
+        micro = micro or [batch[:1].to(dev)]
+        totals = None
+        if last:
+            tokens = prep["mask"][batch.to(dev)].sum().clamp(min=1.0)
+            totals = {"tokens": tokens, "seqs": float(len(batch))}
+        scale = 0.0 if empty else len(micro) * dp
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.ddp.train()
+        loss_of = partial(self._micro_loss, data, prep, totals, scale)
+        outs = self._run(self.ddp, data, micro, loss_of, forward_only=False)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.train.training_args.learning_rate * self.lr_factor(self.lr_step)
+        _, grad_norm, _ = self.optimizer.step()
+        self.lr_step += 1
+        metrics = self._mean_metrics(outs, micro) if last else {}
+        metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        return metrics
+
+    def _micro_loss(self, data, prep, totals, scale, idx, logits):
+        actor = self.actor
+        lp, ent = self._token_logprobs(logits, data, idx, entropy=actor.entropy_coeff != 0)
+        rows = {k: prep[k][idx] if prep[k] is not None else None for k in ("old", "weights", "ref")}
+        rows.update(mask=prep["mask"][idx], advantages=data["advantages"][idx])
+        rows["rollout_logprobs"] = data["rollout_logprobs"][idx]
+        loss, metrics = objective(actor, self.loss_fn, self.loss_params, lp, ent, rows)
+        share = micro_share(actor.loss_agg_mode, rows["mask"], len(idx), totals)
+        metrics["_rows"] = float(len(idx))
+        return loss * share * scale, metrics
+
+    def _mean_metrics(self, outs: list, micro: list) -> dict[str, float]:
+        """Row-weighted mean over micro-batches, then over DP ranks."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(k for k in outs[0] if k != "_rows")
+        total = sum(o["_rows"] for o in outs)
+        vals = torch.tensor([sum(o[k] * o["_rows"] for o in outs) / total for k in keys],
+                            dtype=torch.float64, device=torch.cuda.current_device())  # fmt: skip
+        torch.distributed.all_reduce(vals, group=ps.get_data_parallel_group())
+        vals /= ps.get_data_parallel_world_size()
+        return dict(zip(keys, vals.tolist(), strict=True))
+
+    # -- weights and state -------------------------------------------------------------------
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.plan.ddp.get("overlap_param_gather"):
+            self.ddp.start_param_sync(force_sync=True)
+        if self.built.bridge is not None:
+            return mw.export_with_bridge(self.built.bridge, [self.ddp])
+        return mw.export_hf(self.ddp, self.shape, self.built.te, self.built.layout)
+
+    def load_hf(self, named: dict[str, torch.Tensor]) -> None:
+        """Load full HF-named tensors (a checkpoint's model) into this rank's shards."""
+        from megatron.core import parallel_state as ps
+
+        if self.built.bridge is not None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                mw.save_hf(iter(named.items()), self.model_path, Path(tmp))
+                self.built.bridge.load_hf_weights([self.ddp], hf_path=tmp)
+        else:
+            offset = self.built.layout[ps.get_pipeline_model_parallel_rank()][0]
+            mw.load_hf_into(self.ddp, named.__getitem__, self.shape, self.built.te, offset)
+        self.optimizer.reload_model_params()  # refresh the fp32 main copies from the model

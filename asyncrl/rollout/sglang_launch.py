@@ -1,0 +1,264 @@
+"""SGLang rollout servers: config -> command lines, processes, health, and the router.
+
+One engine = one `python -m sglang.launch_server` process with tensor-parallel size
+`actor_infer.num_gpus_per_worker`, seeing exactly its slice of `actor_infer.device_mapping`
+(through CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES). With several engines the
+sglang-router (`python -m sglang_router.launch_router --worker-urls ... --policy ...`) stands in
+front of them for generation; control calls (pause, weight updates, flush) still go to each
+worker directly. With `strategy_config.server_urls` nothing is launched: the given servers are
+attached to (and must run with tp size `num_gpus_per_worker`).
+
+`strategy_config` keys, by rule:
+- asyncrl's own (never passed to SGLang): `server_urls`, `router` (true | false | auto — auto:
+  when there is more than one engine), `router_policy` (default cache_aware), `router_args`
+  (a mapping, rendered like server flags), `launch_timeout_s` (default 900), `host` (default
+  127.0.0.1), `env` (extra environment variables for the server processes).
+- set by asyncrl and refused in strategy_config: `model_path`, `port`, `tp_size` (and its
+  aliases `tp`, `tensor_parallel_size`; use num_gpus_per_worker).
+- renamed: `max_model_len` -> `--context-length` (ROLL's key for SGLang's flag).
+- every other key is passed through as a flag: `snake_case` -> `--kebab-case`; `true` -> the
+  bare flag (SGLang's booleans are set-to-enable), `false`/`null` -> omitted; a list -> the flag
+  followed by each item; a mapping -> the flag followed by its JSON; anything else -> str(value).
+  So `mem_fraction_static: 0.7` -> `--mem-fraction-static 0.7`, `load_format: dummy` ->
+  `--load-format dummy`. `dtype` defaults from `actor_infer.model_args.dtype`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.device import DeviceSpec
+from asyncrl.rollout.hf_launch import EngineLaunchError, ServerHandle, free_port
+
+OWN_KEYS = ("server_urls", "router", "router_policy", "router_args", "launch_timeout_s", "host")
+OWN_KEYS += ("env",)
+RESERVED = ("model_path", "port", "tp_size", "tp", "tensor_parallel_size")
+RENAMED = {"max_model_len": "context_length"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class SGLangConfigError(ValueError):
+    """A strategy_config for the sglang backend that cannot be turned into a launch."""
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """asyncrl's own keys of `actor_infer.strategy_args.strategy_config`, parsed."""
+
+    server_flags: dict[str, Any]
+    server_urls: list[str] = field(default_factory=list)
+    router: bool | str = "auto"
+    router_policy: str = "cache_aware"
+    router_args: dict[str, Any] = field(default_factory=dict)
+    launch_timeout_s: float = 900.0
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, strategy_config: Mapping[str, Any], dtype: str | None = None) -> SGLangSettings:
+        own = {k: v for k, v in strategy_config.items() if k in OWN_KEYS}
+        flags = {RENAMED.get(k, k): v for k, v in strategy_config.items() if k not in OWN_KEYS}
+        bad = sorted(k for k in flags if k in RESERVED)
+        if bad:
+            raise SGLangConfigError(
+                f"actor_infer.strategy_args.strategy_config.{bad[0]} is set by asyncrl "
+                "(tensor-parallel size comes from actor_infer.num_gpus_per_worker)"
+            )
+        if dtype and "dtype" not in flags:
+            flags["dtype"] = DTYPES.get(dtype, dtype)
+        urls = own.get("server_urls") or []
+        if isinstance(urls, str) or not all(isinstance(u, str) for u in urls):
+            raise SGLangConfigError("strategy_config.server_urls must be a list of URLs")
+        if own.get("router", "auto") not in (True, False, "auto"):
+            raise SGLangConfigError("strategy_config.router must be true, false or auto")
+        return cls(
+            server_flags=flags,
+            server_urls=[u.rstrip("/") for u in urls],
+            router=own.get("router", "auto"),
+            router_policy=str(own.get("router_policy", "cache_aware")),
+            router_args=dict(own.get("router_args") or {}),
+            launch_timeout_s=float(own.get("launch_timeout_s", 900.0)),
+            host=str(own.get("host", "127.0.0.1")),
+            env={str(k): str(v) for k, v in (own.get("env") or {}).items()},
+        )
+
+
+def to_flags(options: Mapping[str, Any]) -> list[str]:
+    """Render `{key: value}` as command-line flags by the rule in the module docstring."""
+    out: list[str] = []
+    for key, value in options.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, Mapping):
+            out += [flag, json.dumps(value, sort_keys=True)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def server_command(
+    model_path: str | os.PathLike,
+    port: int,
+    tp_size: int,
+    settings: SGLangSettings,
+    seed: int | None = None,
+) -> list[str]:
+    """`python -m sglang.launch_server ...` for one engine."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
+    cmd += ["--host", settings.host, "--port", str(port), "--tp-size", str(tp_size)]
+    flags = dict(settings.server_flags)
+    if seed is not None and "random_seed" not in flags:
+        flags["random_seed"] = seed
+    return cmd + to_flags(flags)
+
+
+def router_command(worker_urls: Sequence[str], port: int, settings: SGLangSettings) -> list[str]:
+    """`python -m sglang_router.launch_router --worker-urls ... --policy ...`."""
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
+    cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
+    return cmd + to_flags(settings.router_args)
+
+
+def engine_devices(device_mapping: Sequence[int], tp_size: int) -> list[list[int]]:
+    """Split `device_mapping` into one slice of `tp_size` devices per engine."""
+    if not device_mapping:
+        return [[]]
+    if len(device_mapping) % tp_size:
+        raise SGLangConfigError(
+            f"actor_infer.device_mapping has {len(device_mapping)} devices, not a multiple of "
+            f"num_gpus_per_worker={tp_size}"
+        )
+    return [list(device_mapping[i : i + tp_size]) for i in range(0, len(device_mapping), tp_size)]
+
+
+# ---- processes ---------------------------------------------------------------------------------
+class AttachedProcess:
+    """Stands in for the Popen of a server asyncrl did not start: never 'exits', never killed."""
+
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+    def terminate(self) -> None:
+        pass
+
+
+def wait_healthy(handle: ServerHandle, path: str, timeout_s: float, what: str) -> ServerHandle:
+    """Poll `url + path` until HTTP 200; EngineLaunchError with the log tail if the process
+    exits or the deadline passes (a process we started is stopped then)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if handle.proc.poll() is not None:
+            raise EngineLaunchError(
+                f"{what} exited with code {handle.proc.returncode}; log tail:\n{handle.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(handle.url + path, timeout=10) as r:
+                if r.status == 200:
+                    return handle
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    if not isinstance(handle.proc, AttachedProcess):
+        handle.stop()
+    raise EngineLaunchError(
+        f"{what} at {handle.url} not healthy ({path}) after {timeout_s:.0f}s; log tail:\n"
+        + handle.log_tail()
+    )
+
+
+def start_process(cmd: list[str], env: Mapping[str, str], url: str, log_path: Path) -> ServerHandle:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+    return ServerHandle(proc, url, log_path)
+
+
+def attach(url: str, timeout_s: float, tp_size: int) -> ServerHandle:
+    """A handle on a running server; checks its health and (when it says) its tp size."""
+    handle = ServerHandle(AttachedProcess(), url, Path(os.devnull))  # type: ignore[arg-type]
+    wait_healthy(handle, "/health_generate", timeout_s, "attached sglang server")
+    try:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+            info = json.loads(r.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return handle  # older servers: nothing to check against
+    if isinstance(info, dict) and info.get("tp_size") not in (None, tp_size):
+        raise EngineLaunchError(
+            f"attached sglang server {url} runs tp_size={info['tp_size']}, but "
+            f"actor_infer.num_gpus_per_worker={tp_size}: the weight-update group needs them equal"
+        )
+    return handle
+
+
+# ---- the launcher EngineSet uses ---------------------------------------------------------------
+class SGLangLauncher:
+    """Launches (or attaches to) the SGLang engines of `actor_infer`, and the router."""
+
+    def __init__(
+        self, infer: Any, model_dir: Path, log_dir: Path, seed: int, device: DeviceSpec
+    ) -> None:
+        self.settings = SGLangSettings.parse(
+            infer.strategy_args.strategy_config, infer.model_args.dtype
+        )
+        self.model_dir, self.log_dir, self.seed, self.device = model_dir, log_dir, seed, device
+        self.tp_size = infer.num_gpus_per_worker
+        if self.settings.server_urls:
+            self.devices: list[list[int]] = [[] for _ in self.settings.server_urls]
+        else:
+            self.devices = engine_devices(infer.device_mapping, self.tp_size)
+        self.num_engines = len(self.devices)
+        self.router: ServerHandle | None = None
+        self._router_lock = threading.Lock()  # actors ask for URLs from several threads
+
+    def launch(self, index: int, port: int | None = None) -> ServerHandle:
+        timeout = self.settings.launch_timeout_s
+        if self.settings.server_urls:
+            return attach(self.settings.server_urls[index], timeout, self.tp_size)
+        port = port or free_port(self.settings.host)
+        cmd = server_command(self.model_dir, port, self.tp_size, self.settings, self.seed + index)
+        env = {**self.device.visibility(self.devices[index]), **self.settings.env}
+        url = f"http://{self.settings.host}:{port}"
+        handle = start_process(cmd, env, url, self.log_dir / f"sglang_{index}_{port}.log")
+        return wait_healthy(handle, "/health_generate", timeout, f"sglang engine {index}")
+
+    def actor_urls(self, worker_urls: list[str]) -> list[str]:
+        """Where rollout actors send /generate: the router when there is one, else the workers."""
+        wanted = self.settings.router
+        if wanted is False or (wanted == "auto" and len(worker_urls) < 2):
+            return list(worker_urls)
+        with self._router_lock:
+            if self.router is None or self.router.proc.poll() is not None:
+                self.router = self._start_router(worker_urls)
+            return [self.router.url]
+
+    def _start_router(self, worker_urls: list[str]) -> ServerHandle:
+        port = free_port(self.settings.host)
+        cmd = router_command(worker_urls, port, self.settings)
+        url = f"http://{self.settings.host}:{port}"
+        handle = start_process(cmd, self.settings.env, url, self.log_dir / "router.log")
+        return wait_healthy(handle, "/health", self.settings.launch_timeout_s, "sglang router")
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None

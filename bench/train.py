@@ -1,0 +1,205 @@
+"""Learner throughput: tokens/s of `TorchLearner.step` (and MFU on GPU).
+
+One step = one rollout batch of synthetic groups (n responses per prompt, random tokens,
+response lengths uniform in [L/2, L]): recompute the proximal logprobs (decoupled mode, the
+default) → IS weights, RS, metrics → PPO loss, backward over micro-batches → AdamW. Side by
+side with a plain PyTorch step on the same tokens and micro-batches (forward, masked
+policy-gradient loss, backward, clip, AdamW: no recompute, no IS) and with the learner in
+bypass mode (no recompute). `x raw` is what the learner's extra work costs.
+
+MFU (GPU only): model FLOPs (6 N per trained token + 2 N per recomputed token, N = parameters,
+attention ignored) / step time / the GPU's dense bf16 peak.
+
+    asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from common import build_model_dir, finish, headline, make_parser, median, print_table
+
+PROMPT_LEN = 32
+FULL_MODEL = dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4)
+SMOKE_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+             "L40S": 362e12, "4090": 165e12}  # fmt: skip
+
+
+def make_groups(groups: int, n: int, resp_len: int, vocab: int, seed: int = 0) -> list:
+    from asyncrl.types import TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for gi in range(groups):
+        lengths = rng.integers(resp_len // 2, resp_len + 1, n).astype(np.int32)
+        total = int(lengths.sum())
+        adv = rng.standard_normal(n).astype(np.float32)
+        out.append(TrajectoryGroup(
+            group_id=f"bench-{gi}", prompt_ids=rng.integers(4, vocab, PROMPT_LEN),
+            response_lengths=lengths, response_ids=rng.integers(4, vocab, total),
+            rollout_logprobs=-rng.exponential(1.0, total).astype(np.float32),
+            loss_mask=np.ones(total, np.uint8), versions=np.zeros(total, np.int32),
+            rewards=rng.random(n).astype(np.float32), finish_reasons=["length"] * n,
+            advantages=np.repeat(adv, lengths),
+        ))  # fmt: skip
+    return out
+
+
+def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str):
+    from asyncrl.config import load_config
+    from asyncrl.learner.torch_learner import TorchLearner
+
+    cfg = load_config(None, [
+        f"algorithm.correction_mode={mode}", f"actor_train.model_args.dtype={dtype}",
+        f"actor_train.training_args.per_device_train_batch_size={micro}",
+        f"actor_train.infer_batch_size={micro}", "actor_train.training_args.learning_rate=1e-5",
+        "actor_train.model_args.disable_gradient_checkpointing=true",
+    ])  # fmt: skip
+    return TorchLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 1.0,
+                        total_steps=1000, device=device)  # fmt: skip
+
+
+def raw_step(model: Any, opt: Any, data: dict[str, torch.Tensor], micro: int) -> None:
+    """The plain PyTorch step on the same batch: forward, masked PG loss, backward, AdamW."""
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    mask = data["response_mask"]
+    resp = mask.shape[1]
+    start = data["input_ids"].shape[1] - resp - 1
+    for i in range(0, mask.shape[0], micro):
+        rows = slice(i, i + micro)
+        logits = model(input_ids=data["input_ids"][rows], attention_mask=data["attention_mask"][rows],
+                       position_ids=data["position_ids"][rows], use_cache=False).logits  # fmt: skip
+        logits = logits[:, start : start + resp].float()
+        targets = data["input_ids"][rows, -resp:].unsqueeze(-1)
+        logp = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
+        loss = -(logp * data["advantages"][rows] * mask[rows]).sum() / mask.sum()
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def _time(fn, repeats: int, cuda: bool) -> float:
+    times = []
+    for _ in range(repeats + 1):  # first: warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return median(times[1:])
+
+
+def measure(model_dir: Path, groups: list, micro: int, repeats: int) -> dict[str, Any]:
+    from asyncrl.types import collate
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", "bf16") if cuda else ("cpu", "fp32")
+    seconds, learners = {}, {}
+    for mode in ("decoupled", "bypass"):
+        learners[mode] = learner = make_learner(model_dir, mode, micro, device, dtype)
+        seconds[mode] = _time(lambda lr=learner: lr.step(groups), repeats, cuda)
+    model = learners["bypass"].model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    data = collate(groups, 0).to_torch(device)
+    data["response_mask"] = data["response_mask"].float()
+    seconds["raw"] = _time(lambda: raw_step(model, opt, data, micro), repeats, cuda)
+    trained = float(data["response_mask"].sum())
+    processed = float(data["attention_mask"].sum())
+    params = sum(p.numel() for p in model.parameters())
+    return {"device": device, "dtype": dtype, "seconds": seconds, "trained_tokens": trained,
+            "processed_tokens": processed, "params": params, "rows": int(data["input_ids"].shape[0]),
+            "padded_width": int(data["input_ids"].shape[1])}  # fmt: skip
+
+
+def _flops(m: dict[str, Any], mode: str) -> float:
+    recompute = 2 if mode == "decoupled" else 0
+    return (6 + recompute) * m["params"] * m["processed_tokens"]
+
+
+def _peak() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def _rows(m: dict[str, Any]) -> list[dict[str, Any]]:
+    peak, out = _peak(), []
+    for mode, secs in m["seconds"].items():
+        flops = _flops(m, "bypass" if mode == "raw" else mode)
+        out.append({
+            "path": mode if mode == "raw" else f"learner ({mode})", "seconds": secs,
+            "trained_tokens_per_s": m["trained_tokens"] / secs,
+            "processed_tokens_per_s": m["processed_tokens"] / secs,
+            "x_raw": m["seconds"]["raw"] / secs, "gflops": flops / secs / 1e9,
+            "mfu": None if peak is None else flops / secs / peak,
+        })  # fmt: skip
+    return out
+
+
+def _plot(rows: list[dict]):
+    def draw(fig: Any) -> None:
+        ax = fig.subplots()
+        ax.barh([r["path"] for r in rows], [r["trained_tokens_per_s"] for r in rows])
+        ax.set_xlabel("trained (response) tokens / s")
+        ax.set_title("learner step throughput")
+
+    return draw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--groups", type=int, default=None)
+    parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--response-len", type=int, default=None)
+    parser.add_argument("--micro", type=int, default=8, help="per-device micro-batch rows")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
+    args = parser.parse_args(argv)
+    groups_n = args.groups or (2 if args.smoke else 8)
+    n, resp = args.n or (4 if args.smoke else 8), args.response_len or (16 if args.smoke else 128)
+    repeats = args.repeats or (1 if args.smoke else 3)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-train-") as tmp:
+        spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+        model_dir = args.model or build_model_dir(Path(tmp) / "model", **spec)
+        vocab = _vocab(model_dir)
+        m = measure(model_dir, make_groups(groups_n, n, resp, vocab), args.micro, repeats)
+    rows = _rows(m)
+    print_table(
+        f"learner step, {m['rows']} sequences x {m['padded_width']} (padded), "
+        f"{m['params'] / 1e6:.2f}M params, {m['device']} {m['dtype']}",
+        ["path", "s/step", "trained tok/s", "processed tok/s", "x raw", "GFLOP/s", "MFU"],
+        [[r["path"], r["seconds"], r["trained_tokens_per_s"], r["processed_tokens_per_s"],
+          r["x_raw"], r["gflops"], r["mfu"]] for r in rows],
+    )  # fmt: skip
+    main_row = rows[0]
+    result = {
+        **{k: v for k, v in m.items() if k != "seconds"},
+        "groups": groups_n, "n": n, "response_len": resp, "micro": args.micro, "rows": rows,
+        "headline": {
+            "learner_trained_tokens_per_s": headline(main_row["trained_tokens_per_s"], True, "tok/s"),
+            "learner_vs_raw": headline(main_row["x_raw"], True, "x"),
+        },
+    }  # fmt: skip
+    if main_row["mfu"] is not None:
+        result["headline"]["mfu"] = headline(main_row["mfu"], True, "")
+    return finish("train", result, args, _plot(rows), argv)
+
+
+def _vocab(model_dir: Path) -> int:
+    import json
+
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

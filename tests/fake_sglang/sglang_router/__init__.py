@@ -1,0 +1,1 @@
+"""Stand-in `sglang_router` package for CPU tests (see tests/fake_sglang/fake_server.py)."""

@@ -1,0 +1,82 @@
+"""Every `asyncrl bench <what>` runs at CI size (`--smoke`) through the CLI, and writes its result.
+
+Results go to a temporary folder; baselines are read, never written. Only the figures' shape is
+checked: speed targets are judged by the full benches, never by a timed unit test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+OURS = ["importance", "weight-sync", "rollout", "train", "e2e", "simulate"]
+
+
+def _finite_headline(result: dict) -> None:
+    assert result["smoke"] is True and result["headline"]
+    for name, entry in result["headline"].items():
+        assert math.isfinite(entry["value"]), name
+    assert isinstance(result["regressions"], list)
+
+
+@pytest.mark.parametrize("what", OURS)
+def test_bench_smoke(what, tmp_path):
+    assert main(["bench", what, "--smoke", "--out", str(tmp_path)]) == 0
+    name = what.replace("-", "_")
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    _finite_headline(result)
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_bench_transport_smoke(tmp_path):
+    """The transport bench predates `--smoke`: the CLI maps it to its own quick flags."""
+    assert main(["bench", "transport", "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "transport.json").read_text())
+    assert [r["tokens"] for r in result["rows"]] == [1024, 4096, 16384]
+    assert all(r["codec_zmq"]["groups_per_s"] > 0 for r in result["rows"])
+
+
+def test_bench_codec_choice_smoke():
+    """codec-choice writes only its tracked result file: restored afterwards."""
+    path = BENCH / "results" / "codec_choice.json"
+    before = path.read_bytes() if path.exists() else None
+    try:
+        assert main(["bench", "codec-choice", "--smoke"]) == 0
+        assert json.loads(path.read_text())["chosen"] in ("msgspec", "msgpack")
+    finally:
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(before)
+
+
+def test_unknown_bench_and_helpers_are_refused(capsys):
+    assert main(["bench", "no-such-bench"]) == 2
+    assert main(["bench", "common"]) == 2
+    lists = [line.split("available:")[1] for line in capsys.readouterr().out.splitlines()]
+    assert len(lists) == 2 and all("'e2e'" in x and "'common'" not in x for x in lists)
+
+
+def test_baseline_regressions_are_flagged(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    baseline = {"smoke": False, "headline": {
+        "speed": common.headline(100.0, True), "latency": common.headline(10.0, False),
+    }}  # fmt: skip
+    ok = {"smoke": False, "headline": {
+        "speed": common.headline(90.0, True), "latency": common.headline(11.0, False),
+    }}  # fmt: skip
+    bad = {"smoke": False, "headline": {
+        "speed": common.headline(50.0, True), "latency": common.headline(20.0, False),
+    }}  # fmt: skip
+    assert common.compare(ok, baseline, 0.25) == []
+    flagged = common.compare(bad, baseline, 0.25)
+    assert [line.split(":")[0] for line in flagged] == ["speed", "latency"]

@@ -1,0 +1,104 @@
+"""Device selection: backend, visibility variable and Ray resource per device; the Ascend
+import order for Megatron; `weight_sync.backend: auto`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl import device as dev
+
+
+def test_specs_per_device():
+    cuda, npu, cpu = (dev.device_spec(k) for k in ("cuda", "npu", "cpu"))
+    assert (cuda.backend, cuda.visibility_env, cuda.ray_resource) == (
+        "nccl",
+        "CUDA_VISIBLE_DEVICES",
+        "GPU",
+    )
+    assert (npu.backend, npu.visibility_env, npu.ray_resource) == (
+        "hccl",
+        "ASCEND_RT_VISIBLE_DEVICES",
+        "NPU",
+    )
+    assert (cpu.backend, cpu.visibility_env, cpu.ray_resource) == ("gloo", None, None)
+    assert cuda.visibility([2, 3]) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert npu.visibility([0]) == {"ASCEND_RT_VISIBLE_DEVICES": "0"}
+    assert cpu.visibility([0, 1]) == {}
+    assert cuda.ray_options(2) == {"num_gpus": 2}
+    assert npu.ray_options(1) == {"resources": {"NPU": 1}}
+    assert cpu.ray_options(4) == {}
+    assert str(cpu.torch_device()) == "cpu" and str(cuda.torch_device(1)) == "cuda:1"
+    with pytest.raises(dev.DeviceError, match="non-negative"):
+        cuda.visibility([-1])
+    with pytest.raises(dev.DeviceError, match="unknown device 'tpu'"):
+        dev.device_spec("tpu")
+
+
+def test_detect_on_this_box(monkeypatch):
+    import torch
+
+    monkeypatch.delenv(dev.ENV_OVERRIDE, raising=False)
+    spec = dev.detect_device()
+    expected = "cuda" if torch.cuda.is_available() else "npu" if dev._npu_available() else "cpu"
+    assert spec.kind == expected
+    monkeypatch.setenv(dev.ENV_OVERRIDE, "cpu")
+    assert dev.detect_device() is dev.SPECS["cpu"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU error")
+def test_requested_accelerator_that_is_absent_is_an_error(monkeypatch):
+    monkeypatch.setenv(dev.ENV_OVERRIDE, "cuda")
+    with pytest.raises(dev.DeviceError, match="cuda requested but none is available"):
+        dev.detect_device()
+    with pytest.raises(dev.DeviceError, match="torch_npu"):
+        dev.detect_device("npu")
+
+
+def test_resolve_backend():
+    cuda, cpu = dev.SPECS["cuda"], dev.SPECS["cpu"]
+    assert dev.resolve_backend("auto", cuda) == "nccl"
+    assert dev.resolve_backend("auto", dev.SPECS["npu"]) == "hccl"
+    assert dev.resolve_backend("auto", cpu) == "gloo"
+    assert dev.resolve_backend("gloo", cuda) == "gloo"
+    with pytest.raises(dev.DeviceError, match="nccl does not run on the cpu"):
+        dev.resolve_backend("nccl", cpu)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_prepare_megatron_imports_order_on_npu():
+    # A fake megatron already imported: the adaptor would come too late -> one clear error.
+    code = (
+        "import sys, types\n"
+        "sys.modules['megatron.core'] = types.ModuleType('megatron.core')\n"
+        "from asyncrl.device import SPECS, prepare_megatron_imports, DeviceError\n"
+        "prepare_megatron_imports(SPECS['cuda'])  # nothing to do off Ascend\n"
+        "try:\n"
+        "    prepare_megatron_imports(SPECS['npu'])\n"
+        "except DeviceError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = _run(code)
+    assert "ERR megatron.core was imported before mindspeed.megatron_adaptor" in out.stdout, out
+
+
+def test_prepare_megatron_imports_names_missing_packages():
+    code = (
+        "from asyncrl.device import SPECS, prepare_megatron_imports, DeviceError\n"
+        "try:\n"
+        "    prepare_megatron_imports(SPECS['npu'])\n"
+        "except DeviceError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = _run(code)
+    assert "ERR the Ascend Megatron path needs torch_npu (package torch-npu)" in out.stdout, out
+
+
+def test_device_module_does_not_import_torch():
+    out = _run("import sys, asyncrl.device; print('torch' in sys.modules)")
+    assert out.stdout.strip() == "False", out
