@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     spec = args.shapes or (SMOKE_SHAPES if args.smoke else FULL_SHAPES)
-    repeats = args.repeats or (2 if args.smoke else 7)
+    repeats = args.repeats or (2 if args.smoke else 3)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = []
     for item in spec.split(","):

@@ -10,7 +10,7 @@ length in this process (no HTTP, no logprobs): `x hf.generate` is the price of s
 With SGLang installed and a GPU, the same client also drives `sglang.launch_server` on the
 same model (`--model` a real HF model directory gives real-model numbers there).
 
-    asyncrl bench rollout [--smoke] [--batch-sizes 1,8,32,64] [--lengths 64,256] [--model DIR]
+    asyncrl bench rollout [--smoke] [--batch-sizes 1,8,32] [--lengths 32,128] [--model DIR]
 """
 
 from __future__ import annotations
@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
     args = parser.parse_args(argv)
-    batches = [int(v) for v in (args.batch_sizes or ("1,4" if args.smoke else "1,8,32,64")).split(",")]  # fmt: skip
-    lengths = [int(v) for v in (args.lengths or ("8" if args.smoke else "64,256")).split(",")]
-    repeats = args.repeats or (1 if args.smoke else 3)
+    batches = [int(v) for v in (args.batch_sizes or ("1,4" if args.smoke else "1,8,32")).split(",")]  # fmt: skip
+    lengths = [int(v) for v in (args.lengths or ("8" if args.smoke else "32,128")).split(",")]
+    repeats = args.repeats or (1 if args.smoke else 2)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-rollout-") as tmp:
         model_dir = args.model or build_model_dir(Path(tmp) / "model", **MODEL)
         rows = run_all(model_dir, batches, lengths, repeats)

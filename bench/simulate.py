@@ -17,8 +17,9 @@ response: dispatch, simulated actors, encode, send, receive, decode, queue; noth
 here). Targets at 256 actors: utilisation >= 95 %, orchestration < 1 ms per trajectory.
 
 Default calibration (a 7B-class model): SGLang decode 25 ms/token per sequence, 0.2 s to first
-token; responses log-normal with median 1k tokens, sigma 0.8, at most 8k; a learner at 30k
-tokens/s and a 2 s weight sync; batches of 64 prompts x 8 responses, max_staleness 4.
+token; responses log-normal with median 1k tokens, sigma 0.7, at most 4k; a learner at 16k
+tokens/s and a 2 s weight sync (a step of 64 prompts x 8 responses takes ~45 s, so the
+slowest group, ~100 s, fits in the staleness window of max_staleness 4 steps).
 
     asyncrl bench simulate [--smoke] [--actors 8,16,32,64,128,256] [--speedup 100]
 """
@@ -54,10 +55,10 @@ class Calibration:
     ttft_s: float = 0.2
     tpot_s: float = 0.025
     median_len: int = 1024
-    sigma: float = 0.8
-    max_len: int = 8192
+    sigma: float = 0.7
+    max_len: int = 4096
     prompt_len: int = 256
-    learner_tokens_per_s: float = 30_000.0
+    learner_tokens_per_s: float = 16_000.0
     sync_s: float = 2.0
 
 
@@ -68,7 +69,7 @@ class Workload:
     max_staleness: int = 4
     inflight: int = 2
     steps: int = 40
-    warmup: int = 10
+    warmup: int = 8
     speedup: float = 100.0
     max_wall_s: float = 25.0
 

@@ -25,7 +25,7 @@ import torch
 from common import build_model_dir, finish, headline, make_parser, median, print_table
 
 PROMPT_LEN = 32
-FULL_MODEL = dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4)
+FULL_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded
 SMOKE_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
              "L40S": 362e12, "4090": 165e12}  # fmt: skip
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     groups_n = args.groups or (2 if args.smoke else 8)
     n, resp = args.n or (4 if args.smoke else 8), args.response_len or (16 if args.smoke else 128)
-    repeats = args.repeats or (1 if args.smoke else 3)
+    repeats = args.repeats or (1 if args.smoke else 2)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-train-") as tmp:
         spec = SMOKE_MODEL if args.smoke else FULL_MODEL
         model_dir = args.model or build_model_dir(Path(tmp) / "model", **spec)

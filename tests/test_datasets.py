@@ -141,6 +141,11 @@ def test_templates(tmp_path, tok, raw_tok):
             encode(msg, tokenizer, template)
     with pytest.raises(DatasetError, match="template must be"):
         encode(rec, tok, "chatml")
+    broken = build_tokenizer()
+    broken.chat_template = "{{ raise_exception('no system role here\\nsecond line') }}"
+    with pytest.raises(DatasetError, match=r"line 1: chat template failed \(no system") as err:
+        encode(rec, broken, "native")
+    assert "\n" not in str(err.value)
 
 
 def test_stream_epochs_and_deterministic_shuffle(tmp_path, tok):

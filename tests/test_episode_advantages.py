@@ -95,3 +95,13 @@ def test_episode_metrics_from_group_metadata():
     assert m["env/return_mean"] == pytest.approx(2 / 3) and m["env/turns_mean"] == 2
     assert m["env/observation_token_frac"] == pytest.approx(0.25)
     assert episode_metrics([G({})]) == {}
+
+
+def test_env_run_prompts_are_seeds_and_a_bad_env_config_fails_at_start():
+    from asyncrl.rollout.env_prompts import seed_rows
+
+    env = load_config(None, ["env.name=guess_number", "env.num_seeds=3", "env.seed_offset=7"]).env
+    assert seed_rows(env) == [{"env_seed": 7}, {"env_seed": 8}, {"env_seed": 9}]
+    bad = load_config(None, ["env.name=guess_number", "env.config={hi: 3}"]).env
+    with pytest.raises(ConfigError, match=r"env: env 'guess_number': bad config \['hi'\]"):
+        seed_rows(bad)

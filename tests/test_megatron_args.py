@@ -90,6 +90,11 @@ def test_bad_megatron_options_are_named(config, fragment):
 def test_model_features_outside_the_builtin_path_are_refused():
     with pytest.raises(ma.MegatronConfigError, match="rope_scaling"):
         ma.model_kwargs({**HF, "rope_scaling": {"type": "llama3"}}, 10)
+    with pytest.raises(ma.MegatronConfigError, match="rope_scaling"):
+        ma.model_kwargs({**HF, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 10)
+    nested = {k: v for k, v in HF.items() if k != "rope_theta"}
+    nested["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
+    assert ma.model_kwargs(nested, 10)["rotary_base"] == 500000
     with pytest.raises(ma.MegatronConfigError, match="sliding-window"):
         ma.model_kwargs({**HF, "use_sliding_window": True}, 10)
 

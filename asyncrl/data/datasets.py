@@ -211,8 +211,9 @@ def render(record: PromptRecord, tokenizer: Any, template: str) -> tuple[str, bo
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # template errors come as jinja2 / ValueError types
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DatasetError(
-            f"{record.source}: {record.where}: chat template failed ({exc})"
+            f"{record.source}: {record.where}: chat template failed ({first_line})"
         ) from None
     return text, True
 

@@ -138,7 +138,8 @@ def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any])
 
 
 def model_kwargs(hf: Mapping[str, Any], padded_vocab: int) -> dict[str, Any]:
-    if hf.get("rope_scaling"):
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests the RoPE settings here
+    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         raise MegatronConfigError("rope_scaling models need Megatron-Bridge (use_bridge: true)")
     if hf.get("use_sliding_window"):
         raise MegatronConfigError("sliding-window attention is not in the built-in Megatron path")
@@ -147,7 +148,7 @@ def model_kwargs(hf: Mapping[str, Any], padded_vocab: int) -> dict[str, Any]:
         "max_sequence_length": hf.get("max_position_embeddings", 4096),
         "position_embedding_type": "rope",
         "rotary_percent": 1.0,
-        "rotary_base": int(hf.get("rope_theta", 10000)),
+        "rotary_base": int(hf.get("rope_theta") or rope.get("rope_theta", 10000)),
         "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
         "parallel_output": True,  # logits stay vocab-parallel: vocab_parallel_cross_entropy
     }

@@ -237,34 +237,47 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
     rng, loss = random.Random(spec.seed), float("nan")
     model.train()
     torch.manual_seed(spec.seed)
-    for _ in range(spec.steps):
-        pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
-        batch = [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
-        out = model(**_collate(batch, tokenizer.pad_token_id))
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = out.loss.item()
+    # One thread: at this size a second buys little, and on a busy box (Ray actors, servers)
+    # spinning OpenMP threads made steps ~10x slower; it also keeps the result independent of
+    # the machine's core count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(spec.steps):
+            pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
+            batch = [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
+            out = model(**_collate(batch, tokenizer.pad_token_id))
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss = out.loss.item()
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     return loss
 
 
 def build_embedded_model(out_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC) -> dict[str, Any]:
     """Build, warm-start and save the model into ``out_dir``; returns the recorded report."""
+    import torch
+    import transformers
+
     out_dir = Path(out_dir)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     tokenizer = build_tokenizer()
     model = build_model(spec, tokenizer)
     loss = warm_start(model, tokenizer, spec)
-    train_s = time.perf_counter() - t0
+    train_s, train_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     heldout = make_rows(spec.task, "heldout", spec.heldout_rows, spec.seed)
     report: dict[str, Any] = {
         "spec": asdict(spec),
         "code_version": CODE_VERSION,
         "digest": spec.digest(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "warm_start_seconds": round(train_s, 2),
+        "warm_start_cpu_seconds": round(train_cpu_s, 2),  # wall time on a busy box misleads
         "final_train_loss": round(loss, 4),
         "heldout_accuracy": evaluate_accuracy(model, tokenizer, heldout, template="none"),
     }

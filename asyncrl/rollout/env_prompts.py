@@ -10,8 +10,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.config.schema import EnvConfig
+from asyncrl.config.schema import ConfigError, EnvConfig
+from asyncrl.envs import EnvError, make_env
+
+
+def check_env(env: EnvConfig) -> None:
+    """Build the environment once where the run starts, so that a bad name, path or config
+    fails there with one line instead of failing every episode in the actors."""
+    try:
+        instance = make_env(env.name, env.config)
+    except EnvError as e:
+        raise ConfigError(f"env: {e}") from None
+    close = getattr(instance, "close", None)
+    if callable(close):
+        close()
 
 
 def seed_rows(env: EnvConfig) -> list[dict[str, Any]]:
+    check_env(env)
     return [{"env_seed": env.seed_offset + i} for i in range(env.num_seeds)]

@@ -249,6 +249,9 @@ class WeightSender:
                         culprits = self._culprits(calls, pending, str(exc))
                         raise self._fail(f"{what}: learner side failed ({culprits}): {exc}", mine)
                     problem = exc.problem if isinstance(exc, EngineError) else repr(exc)
+                    # An engine may refuse a bucket after taking part in the broadcast: let our
+                    # own side finish, so the group counts as broken only if it really is.
+                    await asyncio.wait({mine}, timeout=max(deadline - loop.time(), 0))
                     raise self._fail(f"{what}: engine {calls[t].url} failed: {problem}", mine)
         finally:
             for t in pending:

@@ -1,0 +1,157 @@
+"""Run the real Megatron learner on the CPU by redirecting Megatron's CUDA-only calls.
+
+megatron-core hard-codes CUDA in a few places (device="cuda" buffers, the CUDA RNG tracker,
+`torch.cuda.current_device()`); here those calls land on the CPU and the process group is gloo,
+so `MegatronWorker` (asyncrl's code, unchanged) builds, scores, steps and exports a tiny model
+on a CPU box. The redirect is the edge that is faked; Megatron's TP/PP/DP logic and asyncrl's
+all run for real. Activation recompute is out of reach (it saves CUDA RNG states).
+
+    python tests/megatron_emulation.py MODEL_DIR OUT_JSON TP PP [VOCAB] [EXTRA_JSON] [DTYPE]
+
+compares two ranks (world 2) of `MegatronWorker` with `TorchLearner` (one process, fp32) on
+the same batch and writes the differences to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def apply() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    def cpuify(fn):
+        def wrapped(*a, **k):
+            if "cuda" in str(k.get("device", "")):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+
+        return wrapped
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
+        setattr(torch, name, cpuify(getattr(torch, name)))
+    to, type_of = torch.Tensor.to, torch.Tensor.type
+
+    def to_cpu(self, *a, **k):
+        a = tuple("cpu" if isinstance(x, str) and "cuda" in x else x for x in a)
+        if "cuda" in str(k.get("device", "")):
+            k["device"] = "cpu"
+        return to(self, *a, **k)
+
+    torch.Tensor.to = to_cpu
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    # Megatron's gradient clipping asserts CUDA tensor types
+    torch.Tensor.type = lambda self, *a, **k: (
+        type_of(self).replace("torch.", "torch.cuda.")
+        if not a and not k
+        else type_of(self, *a, **k)
+    )
+    import megatron.core.tensor_parallel as tp_mod
+    import megatron.core.tensor_parallel.random as rnd
+
+    rnd.model_parallel_cuda_manual_seed = tp_mod.model_parallel_cuda_manual_seed = lambda *a, **k: (
+        None
+    )
+    for name in dir(rnd):
+        cls = getattr(rnd, name)
+        if isinstance(cls, type) and hasattr(cls, "fork"):
+            cls.fork = lambda self, *a, **k: contextlib.nullcontext()
+
+
+def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out: str) -> None:
+    apply()
+    sys.path.insert(0, str(HERE / "gpu"))
+    import test_megatron_gpu as g
+
+    from asyncrl.device import SPECS
+    from asyncrl.learner.megatron_worker import MegatronWorker
+
+    _, cfg = g.configs(setup["tp"], "[0,1]")
+    cfg.actor_train.strategy_args.strategy_config.update(
+        tensor_model_parallel_size=setup["tp"], pipeline_model_parallel_size=setup["pp"],
+        **setup["extra"],
+    )  # fmt: skip
+    cfg.actor_train.model_args.dtype = setup["dtype"]
+    worker = MegatronWorker(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
+                            rank=rank, world_size=world, init_method=init, device=SPECS["cpu"])  # fmt: skip
+    batch = g.groups()
+    lp = worker.logprobs(batch)
+    metrics = worker.step(batch)
+    weights = {n: t.float().clone() for n, t in worker.export()}
+    torch.save({"lp": lp, "metrics": metrics, "weights": weights}, f"{out}/rank{rank}.pt")
+
+
+def tiny_variant(src: Path, dst: Path, vocab: int | None, tied: bool) -> Path:
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
+
+    shutil.rmtree(dst, ignore_errors=True)
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.tie_word_embeddings, cfg.num_hidden_layers = tied, 4
+    cfg.layer_types = ["full_attention"] * 4
+    cfg.vocab_size = vocab or cfg.vocab_size
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(HERE / "gpu"))
+    import test_megatron_gpu as g
+
+    from asyncrl.learner.logprobs import token_logprobs
+    from asyncrl.learner.torch_learner import TorchLearner
+    from asyncrl.rollout.hf_launch import free_port
+    from asyncrl.types import collate
+
+    src, out_json, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    vocab = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
+    extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    dtype = sys.argv[7] if len(sys.argv) > 7 else "fp32"
+    work = out_json.parent / "work"
+    model_dir = tiny_variant(src, work / "model", vocab, tied=pp == 1)
+    tcfg, _ = g.configs()
+    ref = TorchLearner(model_dir, tcfg.actor_train, tcfg.actor, tcfg.algorithm, temperature=0.7,
+                       total_steps=10)  # fmt: skip
+    batch = g.groups()
+    data = collate(sorted(batch, key=lambda x: x.group_id), ref.pad_id).to_torch("cpu")
+    mask = data["response_mask"].bool()
+    with torch.no_grad():
+        want = token_logprobs(ref.model, data, 0.7)[0]
+    ref_metrics = ref.step(batch)
+    after = dict(ref.weights_for_sync())
+    setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype}
+    init = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(rank_main, args=(2, init, str(model_dir), setup, str(work)), nprocs=2)
+    ranks = [torch.load(work / f"rank{r}.pt") for r in range(2)]
+    last = next(r for r in ranks if r["lp"] is not None)
+    keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/mismatch_training_ppl")
+    result = {
+        "logprob_max_diff": (last["lp"][mask] - want[mask]).abs().max().item(),
+        "metrics": {k: [ref_metrics[k], last["metrics"][k]] for k in keys},
+        "exported": sorted(ranks[0]["weights"]),
+        "weight_max_diff": max(
+            (t - after[n].float()).abs().max().item() for n, t in ranks[0]["weights"].items()
+        ),
+        "silent_ranks_exported": [r for r in (1,) if ranks[r]["weights"]],
+    }
+    out_json.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
