@@ -48,10 +48,10 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     train_rows: int = 12_000
     heldout_rows: int = 500
-    steps: int = 600
-    batch_size: int = 128
+    steps: int = 1000
+    batch_size: int = 64
     lr: float = 1e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 50
     chat_fraction: float = 0.1  # share of warm-start batches rendered with the chat template
     seed: int = 0
 
