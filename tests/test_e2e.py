@@ -129,4 +129,6 @@ def test_bf16_engine_mismatch_is_measured_and_corrected(tiny_model, tmp_path):
     for r in rows:
         assert abs(r["mismatch/mismatch_kl"]) > 1e-6 and r["mismatch/mismatch_k3_kl"] > 0
         assert r["mismatch/rollout_is_eff_sample_size"] < 1.0
-        assert r["mismatch/rollout_is_truncated_fraction"] > 0  # the correction bit
+    # the correction bit: weights above the bound were truncated (a step of only a few short
+    # responses may by chance have none above 1.001, so this is asserted over the run)
+    assert any(r["mismatch/rollout_is_truncated_fraction"] > 0 for r in rows)
