@@ -12,6 +12,7 @@ args, plot)`. That writes `bench/results/<name>.json` (smoke runs: `bench/result
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -20,7 +21,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,3 +269,27 @@ def build_model_dir(path: Path, **spec: Any) -> Path:
     build_model(TinyModelSpec(**spec), tok).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads per process (0: torch's default); 1 keeps figures stable on a "
+        "shared box, where OpenMP threads spin-waiting for descheduled peers collapse",
+    )
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's CPU threads set to `threads` (0: unchanged) inside the block, restored after."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

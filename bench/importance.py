@@ -13,7 +13,9 @@ Inputs: response lengths uniform in [T/4, T], rollout logprobs -Exp(1), old = ro
 N(0, 0.05) with a few catastrophic tokens (the veto has work). Peak memory is the extra peak
 above the inputs: CUDA allocator stats on GPU, peak RSS (reset per op) on CPU.
 
-    asyncrl bench importance [--smoke] [--shapes 256x4096,64x16384] [--repeats 7]
+On the CPU the ops run on `--threads` torch threads (default 1: stable on a shared box).
+
+    asyncrl bench importance [--smoke] [--shapes 256x4096,64x16384] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from common import PeakMemory, finish, headline, make_parser, median, print_table, timed
+from common import (
+    PeakMemory,
+    add_threads_flag,
+    finish,
+    headline,
+    make_parser,
+    median,
+    print_table,
+    timed,
+    torch_threads,
+)
 
 from asyncrl.algo.importance import apply_rollout_is
 from asyncrl.algo.losses import get_policy_loss
@@ -159,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__)
     parser.add_argument("--shapes", default=None, help="BxT,... (default 256x4096,64x16384)")
     parser.add_argument("--repeats", type=int, default=None)
+    add_threads_flag(parser)
     args = parser.parse_args(argv)
     spec = args.shapes or (SMOKE_SHAPES if args.smoke else FULL_SHAPES)
     repeats = args.repeats or (2 if args.smoke else 3)
@@ -166,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     shapes = []
     for item in spec.split(","):
         batch, seq = (int(v) for v in item.lower().split("x"))
-        shapes.append(measure_shape(batch, seq, repeats, device))
+        with torch_threads(args.threads):
+            shapes.append(measure_shape(batch, seq, repeats, device))
         _table(shapes[-1])
     main_ops = shapes[0]["ops"]
     prepare = main_ops["IS + RS + metrics"]
     result = {
         "device": str(device),
+        "threads": args.threads,
         "repeats": repeats,
         "shapes": shapes,
         "headline": {

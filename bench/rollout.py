@@ -10,7 +10,10 @@ length in this process (no HTTP, no logprobs): `x hf.generate` is the price of s
 With SGLang installed and a GPU, the same client also drives `sglang.launch_server` on the
 same model (`--model` a real HF model directory gives real-model numbers there).
 
+On the CPU the server and generate() both get `--threads` torch threads (default 1).
+
     asyncrl bench rollout [--smoke] [--batch-sizes 1,8,32] [--lengths 32,128] [--model DIR]
+                          [--threads 1]
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build_model_dir, finish, headline, make_parser, median, print_table
+from common import (
+    add_threads_flag,
+    build_model_dir,
+    finish,
+    headline,
+    make_parser,
+    median,
+    print_table,
+    torch_threads,
+)
 
 PROMPT_LEN = 32
 MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded size
@@ -108,14 +120,14 @@ def launch_sglang(model_dir: Path, port: int, timeout_s: float = 600) -> subproc
     raise RuntimeError("sglang server not healthy in time")
 
 
-def run_all(model_dir: Path, batches, lengths, repeats: int) -> list[dict]:
+def run_all(model_dir: Path, batches, lengths, repeats: int, threads: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.rollout.hf_launch import free_port, launch_hf_server
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    extra = ["--device", device]
+    extra = ["--device", device, "--num-threads", str(threads)]
     with launch_hf_server(model_dir, max_batch_size=max(batches), extra_args=extra) as h:
         rows = measure(h.url, model, batches, lengths, repeats, "hf")
     if device == "cuda" and importlib.util.find_spec("sglang") is not None:
@@ -156,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
+    add_threads_flag(parser)
     args = parser.parse_args(argv)
     batches = [int(v) for v in (args.batch_sizes or ("1,4" if args.smoke else "1,8,32")).split(",")]  # fmt: skip
     lengths = [int(v) for v in (args.lengths or ("8" if args.smoke else "32,128")).split(",")]
     repeats = args.repeats or (1 if args.smoke else 2)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-rollout-") as tmp:
         model_dir = args.model or build_model_dir(Path(tmp) / "model", **MODEL)
-        rows = run_all(model_dir, batches, lengths, repeats)
+        with torch_threads(args.threads):  # the in-process generate(); the server: same count
+            rows = run_all(model_dir, batches, lengths, repeats, args.threads)
     print_table(
         "engine tokens/s (server over HTTP, with logprobs) vs transformers generate()",
         ["engine", "batch", "length", "server tok/s", "generate tok/s", "x generate", "x batch 1"],
@@ -174,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": str(args.model or f"random tiny Qwen2 {MODEL}"),
         "prompt_len": PROMPT_LEN,
+        "threads": args.threads,
         "repeats": repeats,
         "rows": rows,
         "headline": {

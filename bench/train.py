@@ -10,7 +10,10 @@ bypass mode (no recompute). `x raw` is what the learner's extra work costs.
 MFU (GPU only): model FLOPs (6 N per trained token + 2 N per recomputed token, N = parameters,
 attention ignored) / step time / the GPU's dense bf16 peak.
 
-    asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 3]
+On the CPU every path runs on `--threads` torch threads (default 1: stable on a shared box).
+
+    asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 2]
+                        [--threads 1]
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import build_model_dir, finish, headline, make_parser, median, print_table
+from common import (
+    add_threads_flag,
+    build_model_dir,
+    finish,
+    headline,
+    make_parser,
+    median,
+    print_table,
+    torch_threads,
+)
 
 PROMPT_LEN = 32
 FULL_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded
@@ -164,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=8, help="per-device micro-batch rows")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
+    add_threads_flag(parser)
     args = parser.parse_args(argv)
     groups_n = args.groups or (2 if args.smoke else 8)
     n, resp = args.n or (4 if args.smoke else 8), args.response_len or (16 if args.smoke else 128)
@@ -172,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = SMOKE_MODEL if args.smoke else FULL_MODEL
         model_dir = args.model or build_model_dir(Path(tmp) / "model", **spec)
         vocab = _vocab(model_dir)
-        m = measure(model_dir, make_groups(groups_n, n, resp, vocab), args.micro, repeats)
+        with torch_threads(args.threads):
+            m = measure(model_dir, make_groups(groups_n, n, resp, vocab), args.micro, repeats)
     rows = _rows(m)
     print_table(
         f"learner step, {m['rows']} sequences x {m['padded_width']} (padded), "
@@ -184,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     main_row = rows[0]
     result = {
         **{k: v for k, v in m.items() if k != "seconds"},
-        "groups": groups_n, "n": n, "response_len": resp, "micro": args.micro, "rows": rows,
+        "threads": args.threads, "groups": groups_n, "n": n, "response_len": resp,
+        "micro": args.micro, "rows": rows,
         "headline": {
             "learner_trained_tokens_per_s": headline(main_row["trained_tokens_per_s"], True, "tok/s"),
             "learner_vs_raw": headline(main_row["x_raw"], True, "x"),

@@ -16,7 +16,7 @@ gloo over loopback on the CPU; with two or more GPUs the engine sits on cuda:1 a
 use NCCL (one GPU cannot hold both ends of an NCCL broadcast, so a single GPU stays on gloo).
 Target: asyncrl >= 0.8x raw GB/s at the loop's default bucket size (256 MB).
 
-    asyncrl bench weight-sync [--smoke] [--buckets-mb 4,16,64,256] [--repeats 5]
+    asyncrl bench weight-sync [--smoke] [--buckets-mb 4,16,64,256] [--repeats 4]
 """
 
 from __future__ import annotations
