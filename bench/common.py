@@ -206,9 +206,8 @@ class PeakMemory:
     """Extra peak memory (bytes) of the block above what was allocated on entry.
 
     CUDA: `torch.cuda.max_memory_allocated`. CPU (Linux): the process's peak RSS, reset on
-    entry through /proc/self/clear_refs; glibc is told to serve large blocks by mmap
-    (fixed threshold) and trimmed, so freed memory is returned and reuse cannot hide a peak.
-    `bytes` is None where neither is available.
+    entry through /proc/self/clear_refs, after `malloc_trim` returned freed heap memory to the
+    OS (call `strict_malloc` first for exact figures). Page granular; None where unavailable.
     """
 
     def __init__(self, cuda: bool = False) -> None:
@@ -249,11 +248,20 @@ def _reset_peak_rss() -> int | None:
         return None
 
 
-def _trim_malloc() -> None:
+def strict_malloc() -> None:
+    """Make glibc serve every block over 128 KB by mmap (a fixed threshold, no dynamic growth),
+    so freed memory goes back to the OS at once and a later peak cannot hide in reused heap.
+    For the rest of the process: allocation gets slower, so take timings before calling it."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD, fixed: no dynamic growth
-        libc.malloc_trim(0)
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _trim_malloc() -> None:
+    """Hand freed heap memory back to the OS, so a block that reuses it still shows in RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 

@@ -10,16 +10,21 @@ the IS weights. Side by side in one run, against two references of the same shap
 - the policy loss forward + backward, which every step pays anyway (`x loss`).
 
 Inputs: response lengths uniform in [T/4, T], rollout logprobs -Exp(1), old = rollout +
-N(0, 0.05) with a few catastrophic tokens (the veto has work). Peak memory is the extra peak
-above the inputs: CUDA allocator stats on GPU, peak RSS (reset per op) on CPU.
+N(0, 0.05) with a few catastrophic tokens (the veto has work). Time: best of `--repeats`.
+Peak memory is the extra peak above the inputs: CUDA allocator stats on GPU; on the CPU the
+peak RSS (reset per op) of a separate process whose allocator returns freed memory at once.
 
 On the CPU the ops run on `--threads` torch threads (default 1: stable on a shared box).
 
-    asyncrl bench importance [--smoke] [--shapes 256x4096,64x16384] [--repeats 3] [--threads 1]
+    asyncrl bench importance [--smoke] [--shapes 256x4096,64x16384] [--repeats 5] [--threads 1]
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +36,8 @@ from common import (
     finish,
     headline,
     make_parser,
-    median,
     print_table,
+    strict_malloc,
     timed,
     torch_threads,
 )
@@ -111,11 +116,7 @@ def measure_shape(batch: int, seq: int, repeats: int, device: torch.device) -> d
     x = make_inputs(batch, seq, device)
     rows = {}
     for name, fn in operations(x).items():
-        fn()  # warm up (allocator, kernels) before the peak is taken
-        with PeakMemory(cuda) as peak:
-            fn()
-        seconds = median(timed(fn, repeats, warmup=0, sync=sync))
-        rows[name] = {"seconds": seconds, "peak_bytes": peak.bytes}
+        rows[name] = {"seconds": min(timed(fn, repeats, warmup=1, sync=sync))}  # best of
     bare, loss = rows["bare weights"]["seconds"], rows["policy loss fwd+bwd"]["seconds"]
     for row in rows.values():
         row["x_bare"] = row["seconds"] / bare
@@ -128,6 +129,30 @@ def measure_shape(batch: int, seq: int, repeats: int, device: torch.device) -> d
         "tensor_bytes": batch * seq * 4,
         "ops": rows,
     }
+
+
+def measure_peaks(shape: dict[str, Any], device: torch.device, threads: int) -> None:
+    """Extra peak memory of every op: in process on CUDA (allocator stats); on the CPU in a
+    fresh process with `strict_malloc` from the start (exact, and no effect on the timings)."""
+    if device.type == "cuda":
+        peaks = _peaks(shape["batch"], shape["seq_len"], device)
+    else:
+        cmd = [sys.executable, os.path.abspath(__file__), "--_peaks"]
+        cmd += [str(shape["batch"]), str(shape["seq_len"]), str(threads)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        peaks = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, nbytes in peaks.items():
+        shape["ops"][name]["peak_bytes"] = nbytes
+
+
+def _peaks(batch: int, seq: int, device: torch.device) -> dict[str, int | None]:
+    x, out = make_inputs(batch, seq, device), {}
+    for name, fn in operations(x).items():
+        fn()  # warm: lazy initialisation is not the op's own memory
+        with PeakMemory(device.type == "cuda") as peak:
+            fn()
+        out[name] = peak.bytes
+    return out
 
 
 def _table(shape: dict[str, Any]) -> None:
@@ -174,14 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_flag(parser)
     args = parser.parse_args(argv)
     spec = args.shapes or (SMOKE_SHAPES if args.smoke else FULL_SHAPES)
-    repeats = args.repeats or (2 if args.smoke else 3)
+    repeats = args.repeats or (2 if args.smoke else 5)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = []
-    for item in spec.split(","):
-        batch, seq = (int(v) for v in item.lower().split("x"))
-        with torch_threads(args.threads):
+    with torch_threads(args.threads):
+        for item in spec.split(","):
+            batch, seq = (int(v) for v in item.lower().split("x"))
             shapes.append(measure_shape(batch, seq, repeats, device))
-        _table(shapes[-1])
+        for shape in shapes:
+            measure_peaks(shape, device, args.threads)
+            _table(shape)
     main_ops = shapes[0]["ops"]
     prepare = main_ops["IS + RS + metrics"]
     result = {
@@ -201,4 +228,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if len(sys.argv) > 1 and sys.argv[1] == "--_peaks":  # the CPU peak-memory child
+        strict_malloc()
+        torch.set_num_threads(int(sys.argv[4]))
+        print(json.dumps(_peaks(int(sys.argv[2]), int(sys.argv[3]), torch.device("cpu"))))
+    else:
+        raise SystemExit(main())
