@@ -124,7 +124,8 @@ def run_once(model_dir: Path, out: Path, staleness: int, sizes: dict, seed: int)
         f"actor_train.model_args.model_name_or_path={model_dir}", f"output_dir={out}",
         f"max_steps={sizes['steps']}", f"async.max_staleness={staleness}", f"seed={seed}",
         "rollout.num_actors=2", "logging.eval_interval=0", "logging.console=false",
-        "logging.tensorboard=false", "actor_train.model_args.disable_gradient_checkpointing=true",
+        "logging.tensorboard=false", "actor.checkpoint.save_contents=[]",
+        "actor_train.model_args.disable_gradient_checkpointing=true",
         *sizes["overrides"],
     ])  # fmt: skip
     with EngineCPU(out / "metrics.jsonl") as sampler:
