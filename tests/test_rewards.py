@@ -47,6 +47,24 @@ def test_format_integer():
     assert fn("p", "42 apples", {}) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("130<|im_end|>", "130", 1.0),  # exact: full reward
+        ("126<|im_end|>", "130", 0.5 * 1 / 3),  # only the hundreds digit matches
+        ("31", "32", 0.5 * 1 / 2),
+        ("1300", "130", 0.5 * 1 / 4),  # the longer of the two counts
+        ("-5", "5", 0.5 * 1 / 2),  # the sign takes a place
+        ("999", "130", 0.0),
+        ("no number", "5", 0.0),
+    ],
+)
+def test_arithmetic_partial_credits_matching_digits_below_exact(response, answer, expected):
+    fn = get_reward_fn("arithmetic_partial")
+    assert fn("p", response, {"answer": answer}) == pytest.approx(expected)
+    assert (fn("p", response, {"answer": answer}) == 1.0) == (expected == 1.0)
+
+
 def test_registry_names_and_errors():
     assert {"arithmetic_exact", "math_verify", "format_integer"} <= set(reward_names())
     with pytest.raises(RewardError, match="valid names: arithmetic_exact") as err:

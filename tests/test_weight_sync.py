@@ -16,7 +16,13 @@ import torch
 from aiohttp import web
 
 from asyncrl.rollout.client import EngineClient, GenerateRequest, free_port, launch_hf_server
-from asyncrl.weights.buckets import flat_layout, flatten_bucket, unflatten_bucket
+from asyncrl.weights.buckets import (
+    BucketLayoutError,
+    StagingBuffer,
+    flat_layout,
+    flatten_bucket,
+    unflatten_bucket,
+)
 from asyncrl.weights.sync import WeightSender, WeightSyncError, bucketize
 from tests.helpers import random_qwen2
 
@@ -64,6 +70,22 @@ def test_flattened_layout_aligns_and_round_trips():
     back = unflatten_bucket(buf, [t.dtype for t in tensors], [t.shape for t in tensors])
     for a, b in zip(tensors, back):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_flatten_into_a_reused_staging_buffer_matches_a_fresh_one():
+    tensors = [torch.arange(3, dtype=torch.uint8), torch.randn(2, 3), torch.randn(5).half()]
+    staging = StagingBuffer()
+    _, total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])
+    dirty = staging.get(total + 16, torch.device("cpu")).fill_(0xFF)  # garbage in the gaps
+    packed = flatten_bucket(tensors, staging.get(total, torch.device("cpu")))
+    assert packed.data_ptr() == dirty.data_ptr()  # reused, not reallocated
+    assert torch.equal(packed, flatten_bucket(tensors))  # alignment gaps zeroed, same bytes
+    bigger = staging.get(total + 64, torch.device("cpu"))
+    assert bigger.numel() == total + 64  # grown on demand
+    with pytest.raises(BucketLayoutError, match="staging buffer"):
+        flatten_bucket(tensors, torch.empty(total - 1, dtype=torch.uint8))
+    staging.release()
+    assert staging.get(4, torch.device("cpu")).numel() == 4
 
 
 # ---- against a real server ---------------------------------------------------------------------

@@ -34,6 +34,22 @@ def arithmetic_exact(prompt: str, response: str, metadata: Mapping[str, Any]) ->
     return 1.0 if parse_first_integer(response) == gold else 0.0
 
 
+def arithmetic_partial(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
+    """``arithmetic_exact``, with partial credit below it: a wrong integer earns half the share
+    of its digits that match the answer's, aligned from the units digit (sign included, the
+    longer of the two counting). Near misses then rank above garbage, so far more groups carry
+    a learning signal; only an exact answer reaches 1.0, which is what accuracy counts."""
+    if arithmetic_exact(prompt, response, metadata) == 1.0:
+        return 1.0
+    got = parse_first_integer(response)
+    if got is None:
+        return 0.0
+    gold, pred = str(int(str(metadata["answer"]).strip())), str(got)
+    width = max(len(gold), len(pred))
+    same = sum(a == b for a, b in zip(gold.rjust(width), pred.rjust(width)))
+    return 0.5 * same / width
+
+
 def format_integer(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
     """1.0 when the response, up to its end marker, is exactly one integer (a format reward)."""
     for marker in END_MARKERS:

@@ -11,11 +11,12 @@ from asyncrl.rewards.base import RewardError, RewardFn
 def builtin_rewards() -> dict[str, Callable[[], RewardFn]]:
     """Name -> factory. Built on every call, so no caller can mutate a shared registry;
     factories defer optional imports until the reward is actually asked for."""
-    from asyncrl.rewards.arithmetic import arithmetic_exact, format_integer
+    from asyncrl.rewards.arithmetic import arithmetic_exact, arithmetic_partial, format_integer
     from asyncrl.rewards.mathverify import make_math_verify
 
     return {
         "arithmetic_exact": lambda: arithmetic_exact,
+        "arithmetic_partial": lambda: arithmetic_partial,
         "format_integer": lambda: format_integer,
         "math_verify": make_math_verify,
     }

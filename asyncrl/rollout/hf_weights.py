@@ -3,8 +3,14 @@
 Blocking methods; the HTTP server runs them in a worker thread while the endpoint awaits.
 A receive always takes part in the broadcast the sender started (when the metadata can be
 laid out at all), even if a name or shape is wrong: skipping it would stall the sender until
-its timeout. Validation happens before anything is copied, so a rejected bucket leaves the
+its timeout. Validation happens before anything is received, so a rejected bucket leaves the
 model untouched; loading takes the engine's `step_lock` so it never interleaves with a step.
+
+Per-tensor buckets whose names, shapes, dtypes and device all match are received straight into
+the parameters (no staging copy); anything else lands in staging memory and is copied in. A
+collective that fails half way may leave such a bucket half written, as a failed sync may
+leave the buckets before it (weights/sync.py): the group is dropped, the weight version is not
+bumped, and only a full sync on a new group serves a new version.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from asyncrl.rollout.hf_engine import HFEngine
 from asyncrl.weights.buckets import (
     BucketLayoutError,
+    StagingBuffer,
     flat_layout,
     parse_dtype,
     parse_shape,
@@ -33,6 +40,8 @@ class WeightReceiver:
         # remove_duplicate=False: tied weights answer to every HF name (e.g. lm_head.weight).
         self.params = dict(engine.model.named_parameters(remove_duplicate=False))
         self.groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}
+        # Host memory for flattened buckets, kept between syncs (see StagingBuffer).
+        self.staging = StagingBuffer()
 
     def init_group(
         self,
@@ -83,8 +92,13 @@ class WeightReceiver:
         pg, backend = self.groups[group_name]
         problem = self._check(names, tshapes)
         device = torch.device("cpu") if backend == "gloo" else self.engine.device
+        direct = None if problem or load_format else self._direct(names, tdtypes, device)
         try:
-            tensors = _receive(pg, tdtypes, tshapes, load_format, device)
+            if direct is not None:  # straight into the parameters: no step may read them now
+                with self.engine.step_lock:
+                    broadcast(direct, pg, src=0)
+                return True, f"Succeeded to update {len(names)} parameters online."
+            tensors = self._receive(pg, tdtypes, tshapes, load_format, device)
         except GroupError as e:
             # A failed collective leaves the group unusable: drop it so a re-init can succeed.
             self.groups.pop(group_name, None)
@@ -95,7 +109,29 @@ class WeightReceiver:
         with self.engine.step_lock, torch.no_grad():
             for name, t in zip(names, tensors):
                 self.params[name].copy_(t)
+        if device.type != "cpu":
+            self.staging.release()
         return True, f"Succeeded to update {len(names)} parameters online."
+
+    def _direct(self, names: list, dtypes: list, device: torch.device) -> list | None:
+        """The parameters themselves as receive buffers, when every one matches exactly."""
+        params = [self.params[n] for n in names]
+        if all(
+            p.dtype == d and p.device == device and p.is_contiguous()
+            for p, d in zip(params, dtypes)
+        ):
+            return [p.detach() for p in params]
+        return None
+
+    def _receive(self, pg, dtypes, shapes, load_format, device) -> list[torch.Tensor]:
+        if load_format == "flattened_bucket":
+            _, total = flat_layout(dtypes, shapes)
+            buf = self.staging.get(total, device)
+            broadcast([buf], pg, src=0)
+            return unflatten_bucket(buf, dtypes, shapes)
+        tensors = [torch.empty(s, dtype=d, device=device) for d, s in zip(dtypes, shapes)]
+        broadcast(tensors, pg, src=0)
+        return tensors
 
     def _check(self, names: list, shapes: list[tuple[int, ...]]) -> str | None:
         unknown = [n for n in names if not isinstance(n, str) or n not in self.params]
@@ -106,14 +142,3 @@ class WeightReceiver:
             if have != shape:
                 return f"shape mismatch for {name!r}: sent {list(shape)}, model has {list(have)}"
         return None
-
-
-def _receive(pg, dtypes, shapes, load_format, device) -> list[torch.Tensor]:
-    if load_format == "flattened_bucket":
-        _, total = flat_layout(dtypes, shapes)
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
-        broadcast([buf], pg, src=0)
-        return unflatten_bucket(buf, dtypes, shapes)
-    tensors = [torch.empty(s, dtype=d, device=device) for d, s in zip(dtypes, shapes)]
-    broadcast(tensors, pg, src=0)
-    return tensors

@@ -110,16 +110,56 @@ def flat_layout(
     return offsets, offset
 
 
-def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Pack tensors into one uint8 buffer laid out by `flat_layout` (on the tensors' device)."""
+def flatten_bucket(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pack tensors into one uint8 buffer laid out by `flat_layout` (on the tensors' device).
+
+    With `out` (a uint8 buffer on that device, at least the bucket's size) the bytes go into
+    `out[:total]` and that view is returned: a reused buffer skips allocating and first-touching
+    a bucket's worth of fresh memory on every sync. Alignment gaps are zeroed.
+    """
     if not tensors:
         raise BucketLayoutError("cannot flatten an empty bucket")
     offsets, total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])
-    buf = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device)
+    device = tensors[0].device
+    if out is None:
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+    elif out.dtype != torch.uint8 or out.device != device or out.numel() < total:
+        raise BucketLayoutError(f"staging buffer cannot hold a {total}-byte bucket on {device}")
+    else:
+        buf = out[:total]
+    end = 0
     for t, off in zip(tensors, offsets):
+        if off > end:
+            buf[end:off].zero_()
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buf[off : off + raw.numel()].copy_(raw)
+        end = off + raw.numel()
     return buf
+
+
+class StagingBuffer:
+    """One reusable uint8 buffer, grown on demand (never shrunk until `release`).
+
+    Host memory only pays off when kept: a fresh bucket-sized allocation is page-faulted in on
+    every sync, which on a CPU costs about as much as the broadcast itself. On accelerators the
+    caching allocator already recycles blocks, so callers release it after each sync there.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 view of exactly `nbytes` bytes on `device` (contents undefined)."""
+        buf = self._buf
+        if buf is None or buf.device != device or buf.numel() < nbytes:
+            self._buf = None  # drop the old one before allocating its successor
+            buf = self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+    def release(self) -> None:
+        self._buf = None
 
 
 def unflatten_bucket(

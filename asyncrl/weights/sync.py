@@ -30,8 +30,10 @@ import torch
 from asyncrl.rollout.client import EngineClient, EngineError, free_port
 from asyncrl.weights.buckets import (
     BucketLayoutError,
+    StagingBuffer,
     bucketize,
     dtype_name,
+    flat_layout,
     flatten_bucket,
     tensor_nbytes,
 )
@@ -109,6 +111,7 @@ class WeightSender:
         self._device = torch.device("cpu")
         self._broken: str | None = None
         self._offsets: dict[str, tuple[int, int]] = {}  # engine url -> its ranks [lo, hi)
+        self._staging = StagingBuffer()  # flattened buckets are packed here, one at a time
 
     async def init_group(
         self,
@@ -181,6 +184,9 @@ class WeightSender:
                 ntensors += len(bucket)
         except BucketLayoutError as e:  # raised before that bucket was announced: group intact
             raise WeightSyncError(f"cannot send weights for version {version}: {e}") from None
+        finally:
+            if self._device.type != "cpu":  # see StagingBuffer: only host memory is kept
+                self._staging.release()
         if nbuckets == 0:
             raise WeightSyncError(f"no tensors to send for version {version}")
         if pause_mode:
@@ -191,6 +197,7 @@ class WeightSender:
     async def close(self) -> None:
         """Tear the group down on the engines (best effort) and here."""
         group, self._group = self._group, None
+        self._staging.release()
         if group is None:
             return
         calls = [e.destroy_weights_update_group(self.group_name) for e in self.engines]
@@ -207,7 +214,11 @@ class WeightSender:
         tensors = [t for _, t in bucket]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        payload = [flatten_bucket(tensors)] if load_format == "flattened_bucket" else tensors
+        payload = tensors  # per-tensor broadcasts straight from the learner's own memory
+        if load_format == "flattened_bucket":
+            # Only after the previous bucket's broadcast returned: the staging buffer is free.
+            total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])[1]
+            payload = [flatten_bucket(tensors, self._staging.get(total, tensors[0].device))]
         calls = {
             asyncio.create_task(
                 e.update_weights(
@@ -279,6 +290,7 @@ class WeightSender:
             self._broken = message
             if not mine.done():
                 mine.add_done_callback(lambda t: t.exception())  # silence "never retrieved"
+                self._staging = StagingBuffer()  # the stuck broadcast keeps reading the old one
         return WeightSyncError(message)
 
     async def _control(self, call, what: str) -> None:
