@@ -5,14 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.data.datasets import (
-    DatasetError,
-    PromptStream,
-    encode,
-    load_records,
-    load_rows,
-    open_prompt_stream,
-)
+from asyncrl.data.datasets import DatasetError, encode, load_records
 from asyncrl.models.tiny import build_tokenizer
 
 ROWS = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
@@ -52,7 +45,6 @@ def test_every_format_prompt_column(tmp_path, fmt):
     records = load_records(path)
     assert [r.prompt for r in records] == [r["prompt"] for r in ROWS]
     assert [r.metadata for r in records] == [{"answer": r["answer"]} for r in ROWS]
-    assert load_rows(path) == ROWS
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "parquet"])
@@ -63,7 +55,7 @@ def test_every_format_messages_column(tmp_path, fmt, tok):
     path = write(tmp_path / f"d.{fmt}", rows, fmt)
     records = load_records(path, messages="chat")
     assert records[3].messages == [{"role": "user", "content": "3+1="}]
-    assert load_rows(path, messages="chat")[3] == {"messages": rows[3]["chat"], "answer": "4"}
+    assert records[3].prompt is None and records[3].metadata == {"answer": "4"}
     text, ids = encode(records[3], tok, "native")
     assert text == "<|im_start|>user\n3+1=<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(ids) == text and ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
@@ -146,59 +138,6 @@ def test_templates(tmp_path, tok, raw_tok):
     with pytest.raises(DatasetError, match=r"line 1: chat template failed \(no system") as err:
         encode(rec, broken, "native")
     assert "\n" not in str(err.value)
-
-
-def test_stream_epochs_and_deterministic_shuffle(tmp_path, tok):
-    path = write(tmp_path / "d.jsonl", ROWS, "jsonl")
-    stream = open_prompt_stream(path, tok, template="none", seed=3)
-    first = [stream.next_prompt().index for _ in range(10)]
-    second = [stream.next_prompt().index for _ in range(10)]
-    assert sorted(first) == sorted(second) == list(range(10))
-    assert first != second and first != list(range(10))  # reshuffled every epoch
-    assert stream.epoch == 1
-    again = open_prompt_stream(path, tok, template="none", seed=3)
-    assert [again.next_prompt().index for _ in range(20)] == first + second
-    ordered = open_prompt_stream(path, tok, template="none", shuffle=False)
-    p = ordered.next_prompt()
-    assert (p.index, p.text, p.metadata) == (0, "0+1=", {"answer": "1"})
-    assert p.input_ids == tok("0+1=", add_special_tokens=False)["input_ids"]
-
-
-def test_stream_state_dict_round_trip(tmp_path, tok):
-    records = load_records(write(tmp_path / "d.jsonl", ROWS, "jsonl"))
-    stream = PromptStream(records, tok, template="none", seed=5)
-    for _ in range(13):
-        stream.next_prompt()
-    state = json.loads(json.dumps(stream.state_dict()))  # must survive a JSON checkpoint
-    expected = [stream.next_prompt().index for _ in range(15)]
-    resumed = PromptStream(records, tok, template="none", seed=0)
-    resumed.load_state_dict(state)
-    assert [resumed.next_prompt().index for _ in range(15)] == expected
-    assert resumed.state_dict() == stream.state_dict()
-    keys = [stream.next_prompt().key for _ in range(10)]
-    assert keys[0] == "e2-i8" and len(set(keys)) == 10
-    with pytest.raises(DatasetError, match="dataset changed"):
-        PromptStream(records[:5], tok).load_state_dict(state)
-
-
-def test_long_prompts_skipped_and_counted(tmp_path, tok, caplog):
-    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1" * 30 + "+1=", "answer": "x"}]
-    path = write(tmp_path / "d.jsonl", rows, "jsonl")
-    stream = open_prompt_stream(path, tok, template="none", prompt_length=8, shuffle=False)
-    got = [stream.next_prompt().text for _ in range(3)]
-    assert got == ["1+1="] * 3
-    assert stream.skipped_overlong == 2 and stream.stats()["data/skipped_overlong"] == 2
-    assert stream.state_dict()["skipped_overlong"] == 2
-    assert "skipping prompt of 33 tokens" in caplog.text
-    strict = open_prompt_stream(
-        path, tok, template="none", prompt_length=8, overlong="error", shuffle=False
-    )
-    strict.next_prompt()
-    with pytest.raises(DatasetError, match="line 2: prompt has 33 tokens > prompt_length=8"):
-        strict.next_prompt()
-    too_small = open_prompt_stream(path, tok, template="none", prompt_length=2)
-    with pytest.raises(DatasetError, match="every prompt is longer than prompt_length=2"):
-        too_small.next_prompt()
 
 
 def test_multiple_files(tmp_path):

@@ -2,25 +2,19 @@
 messages column (exactly one); prompts rendered natively (the tokenizer's chat template) or raw.
 
 Every other column is kept as per-row metadata for the reward (e.g. ``answer``). Bad input is a
-one-line ``DatasetError`` naming the file and row; prompts longer than ``prompt_length`` are
-skipped and counted (or rejected with ``overlong="error"``), never dropped silently.
+one-line ``DatasetError`` naming the file and row. The epoch order, the resumable position and
+the skipping of overlong prompts live in `asyncrl.rollout.prompts.PromptSource`.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
-
-log = logging.getLogger(__name__)
-
-Template = Literal["native", "none", "raw"]
 FORMATS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 FORMATS |= {".parquet": "parquet", ".pq": "parquet"}
 
@@ -31,24 +25,14 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One validated row: exactly one of ``prompt`` / ``messages`` is set."""
+    """One validated row: exactly one of ``prompt`` / ``messages`` is set (neither for an env
+    seed row, whose prompt the episode builder makes)."""
 
     source: str  # file name, for messages
     where: str  # "row 3" or "line 3", for messages
     prompt: str | None
     messages: list[dict[str, Any]] | None
     metadata: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt ready for the engine: token ids, the text they encode, the row's metadata."""
-
-    input_ids: list[int]
-    text: str
-    metadata: dict[str, Any]
-    index: int  # position of the record in the dataset (stable across epochs)
-    key: str  # "e<epoch>-i<position in the epoch>": unique over a run, usable as a group id
 
 
 # ---- reading files ----------------------------------------------------------------------------
@@ -197,8 +181,10 @@ def _template(name: str) -> str:
     return "none" if name == "raw" else name
 
 
-def render(record: PromptRecord, tokenizer: Any, template: str) -> tuple[str, bool]:
-    """``(text, templated)``: the prompt text the model sees, and whether a chat template made it."""
+def render(record: PromptRecord, tokenizer: Any, template: str) -> str:
+    """The prompt text the model sees: the raw prompt (``none``, or a tokenizer without a chat
+    template) or the tokenizer's chat template with the generation prompt (``native``)."""
+    template = _template(template)
     has_chat = bool(getattr(tokenizer, "chat_template", None))
     if record.messages is not None and not (template == "native" and has_chat):
         raise DatasetError(
@@ -206,163 +192,19 @@ def render(record: PromptRecord, tokenizer: Any, template: str) -> tuple[str, bo
             "with a chat template"
         )
     if record.prompt is not None and (template == "none" or not has_chat):
-        return record.prompt, False
+        return record.prompt
     messages = record.messages or [{"role": "user", "content": record.prompt}]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # template errors come as jinja2 / ValueError types
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DatasetError(
             f"{record.source}: {record.where}: chat template failed ({first_line})"
         ) from None
-    return text, True
 
 
 def encode(record: PromptRecord, tokenizer: Any, template: str = "native") -> tuple[str, list[int]]:
-    """Rendered text and its token ids (a chat template carries its own special tokens)."""
-    text, templated = render(record, tokenizer, _template(template))
-    ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
-    return text, list(ids)
-
-
-# ---- the resumable stream ---------------------------------------------------------------------
-
-
-class PromptStream:
-    """Endless prompts, epoch after epoch, in a deterministic per-epoch order.
-
-    The position (epoch, index into that epoch's order) and counters round-trip through
-    ``state_dict``/``load_state_dict``, so a resumed run continues with the very next prompt.
-    Not thread-safe: one consumer, or the caller serialises ``next_prompt``.
-    """
-
-    def __init__(
-        self,
-        records: Sequence[PromptRecord],
-        tokenizer: Any,
-        *,
-        template: str = "native",
-        prompt_length: int | None = None,
-        overlong: Literal["skip", "error"] = "skip",
-        shuffle: bool = True,
-        seed: int = 0,
-    ) -> None:
-        if not records:
-            raise DatasetError("prompt stream has no records")
-        if overlong not in ("skip", "error"):
-            raise DatasetError(f"overlong must be 'skip' or 'error', got {overlong!r}")
-        self.records, self.tokenizer = list(records), tokenizer
-        self.template, self.prompt_length, self.overlong = (
-            _template(template),
-            prompt_length,
-            overlong,
-        )
-        self.shuffle, self.seed = shuffle, seed
-        self.epoch, self.index, self.skipped_overlong = 0, 0, 0
-        self._order_epoch, self._order = -1, np.arange(0)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def _order_for(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            n = len(self.records)
-            rng = np.random.default_rng([self.seed, epoch])
-            self._order = rng.permutation(n) if self.shuffle else np.arange(n)
-            self._order_epoch = epoch
-        return self._order
-
-    def next_prompt(self) -> Prompt:
-        """The next prompt that fits ``prompt_length``; overlong ones are skipped and counted."""
-        for _ in range(len(self.records)):
-            if self.index >= len(self.records):
-                self.epoch, self.index = self.epoch + 1, 0
-            position = int(self._order_for(self.epoch)[self.index])
-            key = f"e{self.epoch}-i{self.index}"
-            self.index += 1
-            record = self.records[position]
-            text, ids = encode(record, self.tokenizer, self.template)
-            if self.prompt_length is None or len(ids) <= self.prompt_length:
-                return Prompt(ids, text, dict(record.metadata), position, key)
-            self._overlong(record, len(ids))
-        raise DatasetError(
-            f"{self.records[0].source}: every prompt is longer than prompt_length={self.prompt_length}"
-        )
-
-    def _overlong(self, record: PromptRecord, n_tokens: int) -> None:
-        here = f"{record.source}: {record.where}"
-        if self.overlong == "error":
-            raise DatasetError(
-                f"{here}: prompt has {n_tokens} tokens > prompt_length={self.prompt_length}"
-            )
-        if self.skipped_overlong == 0:
-            log.warning(
-                "%s: skipping prompt of %d tokens > prompt_length=%d (counted in "
-                "data/skipped_overlong)",
-                here,
-                n_tokens,
-                self.prompt_length,
-            )
-        self.skipped_overlong += 1
-
-    def stats(self) -> dict[str, int]:
-        """Counters for the metrics stream."""
-        return {"data/epoch": self.epoch, "data/skipped_overlong": self.skipped_overlong}
-
-    def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "seed": self.seed,
-            "num_records": len(self.records),
-            "skipped_overlong": self.skipped_overlong,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if int(state["num_records"]) != len(self.records):
-            raise DatasetError(
-                f"prompt stream state is for {state['num_records']} records but the data has "
-                f"{len(self.records)}; the dataset changed since the checkpoint"
-            )
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self.seed, self.skipped_overlong = int(state["seed"]), int(state["skipped_overlong"])
-        self._order_epoch = -1  # the order depends on the restored seed
-
-
-def open_prompt_stream(
-    paths: str | Path | Sequence[str | Path],
-    tokenizer: Any,
-    *,
-    prompt: str | None = None,
-    messages: str | None = None,
-    template: str = "native",
-    prompt_length: int | None = None,
-    overlong: Literal["skip", "error"] = "skip",
-    shuffle: bool = True,
-    seed: int = 0,
-) -> PromptStream:
-    """Load ``paths`` and wrap them in a :class:`PromptStream`."""
-    records = load_records(paths, prompt=prompt, messages=messages)
-    return PromptStream(
-        records,
-        tokenizer,
-        template=template,
-        prompt_length=prompt_length,
-        overlong=overlong,
-        shuffle=shuffle,
-        seed=seed,
-    )
-
-
-def load_rows(
-    path: str | Path, prompt: str | None = None, messages: str | None = None
-) -> list[dict[str, Any]]:
-    """Validated rows as plain dicts under normalised keys: ``"prompt"`` (a string) or
-    ``"messages"`` (a list), whichever column was chosen, plus every metadata column."""
-    rows = []
-    for rec in load_records(path, prompt=prompt, messages=messages):
-        key, value = (
-            ("prompt", rec.prompt) if rec.prompt is not None else ("messages", rec.messages)
-        )
-        rows.append({**rec.metadata, key: value})
-    return rows
+    """Rendered text and its token ids, tokenized as is: no special tokens are added (a chat
+    template writes its own; raw prompts get none, as the embedded task was trained)."""
+    text = render(record, tokenizer, template)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
