@@ -235,6 +235,80 @@ def test_record_error_is_wrapped() -> None:
         decode_group([*frames[:5], bad_mask, *frames[6:]])
 
 
+def _wire_group(n: int) -> TrajectoryGroup:
+    """n responses of 3 tokens each; the middle token of each is a tool token (mask 0,
+    NOT_GENERATED). n > 32 takes the numpy branch of the small-array checks in types.py."""
+    return TrajectoryGroup(
+        group_id="w",
+        prompt_ids=[1, 2],
+        response_lengths=[3] * n,
+        response_ids=np.arange(3 * n),
+        rollout_logprobs=np.full(3 * n, -0.5),
+        loss_mask=np.tile([1, 0, 1], n),
+        versions=np.tile([2, NOT_GENERATED, 3], n),
+        rewards=np.ones(n),
+        finish_reasons=["stop"] * n,
+        advantages=np.zeros(3 * n),
+    )
+
+
+INT32_MIN = int(np.iinfo(np.int32).min)
+
+
+@pytest.mark.parametrize("n", [2, 40])
+@pytest.mark.parametrize(
+    ("field", "index", "value", "match"),
+    [
+        ("prompt_ids", 1, -1, "negative token id"),
+        ("response_ids", -1, -7, "negative token id"),
+        ("response_lengths", -1, -1, "negative response length"),
+        ("response_lengths", -1, 4, "response_ids has .* tokens, response_lengths sum to"),
+        ("loss_mask", 0, 2, "loss_mask must hold only 0 and 1"),
+        ("loss_mask", 1, 1, "no generating version"),  # masked in, NOT_GENERATED
+        ("versions", 0, NOT_GENERATED, "no generating version"),
+        ("versions", 1, -2, "below NOT_GENERATED"),
+        ("versions", 0, INT32_MIN, "below NOT_GENERATED"),  # masked in: version - mask wraps
+        ("rollout_logprobs", -1, np.nan, "non-finite"),
+        ("rollout_logprobs", 0, -np.inf, "non-finite"),
+        ("rewards", -1, np.inf, "non-finite"),
+        ("advantages", -1, np.nan, "non-finite"),
+    ],
+)
+def test_decoder_enforces_every_value_invariant(
+    n: int, field: str, index: int, value: float, match: str
+) -> None:
+    # The decoder builds groups without __post_init__; each rule must still reject the
+    # message, with its own reason, when one value in one frame is wrong.
+    frames = encode_group(_wire_group(n))
+    assert decode_group(frames) == _wire_group(n)
+    _, dtype, _, frame = _header(frames)[2][field]
+    bad = np.frombuffer(frames[frame], dtype).copy()
+    bad[index] = value
+    frames[frame] = bad.view(np.uint8)
+    with pytest.raises(DecodeError, match=f"invalid trajectory group: group w: .*{match}"):
+        decode_group(frames)
+
+
+def test_non_contiguous_and_unexportable_frames_are_decode_errors() -> None:
+    frames = encode_group(make_group())
+    strided = memoryview(bytes(2 * memoryview(frames[3]).nbytes))[::2]
+    for index, bad in [(3, strided), (0, strided), (3, np.zeros(2, "datetime64[s]"))]:
+        with pytest.raises(DecodeError, match=f"frame {index} .* is not a byte buffer"):
+            decode_group([*frames[:index], bad, *frames[index + 1 :]])
+
+
+def test_fields_replaced_after_construction_still_encode_or_are_refused() -> None:
+    g = make_group(n=3, seed=1)
+    again = make_group(n=3, seed=1)
+    g.response_ids = np.repeat(g.response_ids, 2)[::2]  # strided: copied to contiguous bytes
+    assert decode_group(encode_group(g)) == again
+    g.versions = g.versions.astype(">i4")  # big-endian: byte-swapped on the way out
+    assert decode_group(encode_group(g)) == again
+    g.versions = g.versions.astype(np.int64)  # the wrong dtype travels, the decoder refuses it
+    with pytest.raises(DecodeError, match="expected 1-D numpy int32"):
+        decode_group(encode_group(g))
+
+
 def test_ext_types_pickle_and_non_buffers_are_refused() -> None:
     frames = encode_group(make_group())
     header = _header(frames)

@@ -70,6 +70,21 @@ def test_invalid_groups_raise_record_error(overrides: dict[str, object], match: 
         _group(**overrides)
 
 
+def test_many_responses_take_the_numpy_checks() -> None:
+    # Over 32 responses, lengths and rewards are checked with numpy, not tolist().
+    n = 40
+    ok = dict(group_id="big", prompt_ids=[1], response_lengths=[1] * n, response_ids=range(n),
+              rollout_logprobs=[0.0] * n, loss_mask=[1] * n, versions=[0] * n,
+              rewards=[0.0] * n, finish_reasons=["stop"] * n)  # fmt: skip
+    assert TrajectoryGroup(**ok).num_tokens == n
+    with pytest.raises(RecordError, match="negative response length"):
+        TrajectoryGroup(**{**ok, "response_lengths": [2, -1] + [1] * (n - 2)})
+    with pytest.raises(RecordError, match="non-finite"):
+        TrajectoryGroup(**{**ok, "rewards": [0.0] * (n - 1) + [np.nan]})
+    with pytest.raises(RecordError, match="non-finite"):
+        TrajectoryGroup(**{**ok, "rollout_logprobs": [0.0] * (n - 1) + [-np.inf]})
+
+
 def test_masked_generated_token_keeps_its_version() -> None:
     # A generated token may be masked out of the loss and still carry its version.
     g = _group(loss_mask=[1, 0, 1, 0, 1], versions=[4, 4, 5, NOT_GENERATED, 6])

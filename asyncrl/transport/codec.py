@@ -104,6 +104,9 @@ class _GroupHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 # dtype -> wire name; a dtype lookup, because `np.dtype.name` is slow Python code.
 _WIRE_NAME: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
+_BYTE = np.dtype(np.uint8)  # a dtype instance: `view(np.uint8)` resolves the type every call
+# Exact types of plain scalars: one set lookup settles the common case in `_plain_problem`.
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def _enc_hook(value: Any) -> Any:
@@ -149,7 +152,7 @@ def encode_group(
 ) -> list[Any]:
     """Frames for one TrajectoryGroup: a header and one frame per array field (8, or 9 with
     advantages)."""
-    arrays = {name: getattr(group, name) for name, _ in ARRAY_FIELDS}
+    arrays = {name: getattr(group, name) for name in _GROUP_WIRE}
     if arrays["advantages"] is None:
         del arrays["advantages"]
     # Only what the record's own validation does not already guarantee is checked here.
@@ -170,19 +173,28 @@ def _encode(
 ) -> list[Any]:
     specs: dict[str, list[Any]] = {}
     frames: list[Any] = [b""]
+    side_bytes = 0
     for name, value in arrays.items():
         if not isinstance(name, str):
             raise EncodeError(f"array names must be str, got {type(name).__name__}")
-        lib, dtype, shape, buf = _export(name, value)
+        wire_name = _WIRE_NAME.get(value.dtype) if type(value) is np.ndarray else None
+        if wire_name is not None and value.ndim == 1 and value.flags.c_contiguous:
+            # `_export`'s result for the common case (every field of a TrajectoryGroup),
+            # inlined: a call and a tuple per array are a visible share of a small message.
+            specs[name] = ["numpy", wire_name, [len(value)], len(frames)]
+            buf = value.view(_BYTE)
+        else:
+            lib, dtype, shape, buf = _export(name, value)
+            specs[name] = [lib, dtype, shape, len(frames)]
         frames.append(buf)
-        specs[name] = [lib, dtype, shape, len(frames) - 1]
+        side_bytes += buf.nbytes  # `_export` returns 1-D uint8 numpy buffers: no memoryview
     if len(frames) > max_frames:
         raise EncodeError(f"message has {len(frames)} frames, limit is {max_frames}")
     try:
         frames[0] = _ENCODER.encode([SCHEMA_VERSION, kind, specs, fields])
     except (TypeError, ValueError, OverflowError) as e:
         raise EncodeError(f"cannot encode header: {e}") from None
-    _check_sizes([memoryview(f).nbytes for f in frames], max_bytes, EncodeError)
+    _check_sizes([len(frames[0]), side_bytes], max_bytes, EncodeError)
     return frames
 
 
@@ -210,7 +222,8 @@ def _export(name: str, value: Any) -> tuple[str, str, list[int], Any]:
         value = value.astype(NUMPY_DTYPES[wire_name])
     if not value.flags.c_contiguous:
         value = np.ascontiguousarray(value)
-    return "numpy", wire_name, list(value.shape), value.reshape(-1).view(np.uint8)
+    flat = value if value.ndim == 1 else value.reshape(-1)  # the common 1-D case: no reshape
+    return "numpy", wire_name, list(value.shape), flat.view(_BYTE)
 
 
 def _export_torch(name: str, t: Any, torch: Any) -> tuple[str, str, list[int], Any]:
@@ -227,6 +240,7 @@ def _export_torch(name: str, t: Any, torch: Any) -> tuple[str, str, list[int], A
 
 
 def _check_sizes(sizes: list[int], max_bytes: int, error: type) -> None:
+    """`sizes[0]` is the header's size; all of them sum to the message's."""
     if sizes[0] > MAX_HEADER_BYTES:
         raise error(f"header is {sizes[0]} bytes, limit is {MAX_HEADER_BYTES}")
     if sum(sizes) > max_bytes:
@@ -236,7 +250,7 @@ def _check_sizes(sizes: list[int], max_bytes: int, error: type) -> None:
 def _plain_problem(value: Any, where: str, depth: int, encoding: bool = False) -> str | None:
     """Why `value` is not a plain wire value (None if it is); tuples and numpy scalars are
     accepted when encoding (they arrive as lists and Python numbers)."""
-    if value is None or isinstance(value, bool | int | float | str | bytes):
+    if type(value) in _SCALARS or isinstance(value, bool | int | float | str | bytes):
         return None
     if encoding and isinstance(value, np.generic) and value.dtype.kind in "biuf":
         return None
@@ -244,6 +258,8 @@ def _plain_problem(value: Any, where: str, depth: int, encoding: bool = False) -
         return f"{where}: nested deeper than {_MAX_DEPTH}"
     if isinstance(value, list) or (encoding and isinstance(value, tuple)):
         for i, item in enumerate(value):
+            if type(item) in _SCALARS:  # a plain leaf: no call, no path string
+                continue
             if problem := _plain_problem(item, f"{where}[{i}]", depth + 1, encoding):
                 return problem
         return None
@@ -251,6 +267,8 @@ def _plain_problem(value: Any, where: str, depth: int, encoding: bool = False) -
         for key, item in value.items():
             if not isinstance(key, str):
                 return f"{where}: map key {key!r} is not a str"
+            if type(item) in _SCALARS:  # a plain leaf: no call, no path string
+                continue
             if problem := _plain_problem(item, f"{where}.{key}", depth + 1, encoding):
                 return problem
         return None
@@ -283,14 +301,8 @@ def decode_group(
     if problem := _plain_problem(f.metadata, "metadata", 1):
         raise DecodeError(problem)
     arrays = _import_group_arrays(header.arrays, views)
-    try:
-        return TrajectoryGroup(
-            group_id=f.group_id,
-            finish_reasons=f.finish_reasons,
-            metadata=f.metadata,
-            advantages=arrays.pop("advantages", None),
-            **arrays,
-        )
+    try:  # the arrays, finish_reasons and metadata are what `_from_wire` requires (see there)
+        return TrajectoryGroup._from_wire(f.group_id, f.finish_reasons, f.metadata, arrays)
     except RecordError as e:
         raise DecodeError(f"invalid trajectory group: {e}") from None
 
@@ -301,16 +313,20 @@ def _views(frames: Sequence[Any], max_bytes: int, max_frames: int) -> list[memor
         raise DecodeError("a message is a non-empty list of frames")
     if len(frames) > max_frames:
         raise DecodeError(f"message has {len(frames)} frames, limit is {max_frames}")
-    views = [_byte_view(f, i) for i, f in enumerate(frames)]
+    try:  # one cast per frame, no per-frame format checks: a cast to "B" is always flat bytes
+        views = [memoryview(f).cast("B") for f in frames]
+    except (TypeError, ValueError, BufferError):
+        views = [_byte_view(f, i) for i, f in enumerate(frames)]  # raises, naming the frame
     _check_sizes([v.nbytes for v in views], max_bytes, DecodeError)
     return views
 
 
 def _byte_view(frame: Any, index: int) -> memoryview:
+    # Also for a non-contiguous buffer (the cast refuses it): msgspec and np.frombuffer need
+    # contiguous bytes. ValueError: numpy refuses to export some dtypes (datetime64) at all.
     try:
-        view = memoryview(frame)
-        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    except TypeError:
+        return memoryview(frame).cast("B")
+    except (TypeError, ValueError, BufferError):
         raise DecodeError(f"frame {index} ({type(frame).__name__}) is not a byte buffer") from None
 
 
@@ -410,12 +426,46 @@ def _import_torch(name: str, spec: _ArraySpec, count: int, view: memoryview) -> 
 _GROUP_WIRE = {name: NUMPY_DTYPES[np.dtype(dtype).name] for name, dtype in ARRAY_FIELDS}
 _GROUP_WIRE_NAMES = {name: np.dtype(dtype).name for name, dtype in ARRAY_FIELDS}
 _GROUP_REQUIRED = frozenset(_GROUP_WIRE) - {"advantages"}
+# field -> (dtype, wire dtype name, itemsize): one lookup per array on the hot path.
+_GROUP_FAST = {name: (d, _GROUP_WIRE_NAMES[name], d.itemsize) for name, d in _GROUP_WIRE.items()}
 
 
 def _import_group_arrays(
     specs: Mapping[str, _ArraySpec], views: list[memoryview]
 ) -> dict[str, np.ndarray]:
-    """A TrajectoryGroup's arrays: exactly its fields, each 1-D numpy of its exact dtype."""
+    """A TrajectoryGroup's arrays: exactly its fields, each 1-D numpy of its exact dtype,
+    frames 1.. used exactly once each; DecodeError naming the first problem otherwise."""
+    arrays = _group_arrays_fast(specs, views)
+    return arrays if arrays is not None else _group_arrays_explained(specs, views)
+
+
+def _group_arrays_fast(
+    specs: Mapping[str, _ArraySpec], views: list[memoryview]
+) -> dict[str, np.ndarray] | None:
+    """The arrays if every check passes, else None: the same checks as
+    `_group_arrays_explained` as plain booleans, so a valid message builds no error text."""
+    count = len(views)
+    if not (_GROUP_REQUIRED <= specs.keys() <= _GROUP_FAST.keys() and len(specs) == count - 1):
+        return None
+    out, used = {}, set()
+    for name, spec in specs.items():
+        dtype, wire_name, itemsize = _GROUP_FAST[name]
+        shape, frame = spec.shape, spec.frame
+        if spec.lib != "numpy" or spec.dtype != wire_name or len(shape) != 1 or frame >= count:
+            return None
+        view = views[frame]
+        if view.nbytes != shape[0] * itemsize:
+            return None
+        used.add(frame)
+        out[name] = np.frombuffer(view, dtype)
+    # len(specs) == count - 1 frames, each in 1..count-1: all distinct iff each used once.
+    return out if len(used) == len(specs) else None
+
+
+def _group_arrays_explained(
+    specs: Mapping[str, _ArraySpec], views: list[memoryview]
+) -> dict[str, np.ndarray]:
+    """`_group_arrays_fast`'s checks one by one, raising DecodeError at the first failure."""
     names = set(specs)
     if not _GROUP_REQUIRED <= names <= _GROUP_WIRE.keys():
         missing, extra = sorted(_GROUP_REQUIRED - names), sorted(names - _GROUP_WIRE.keys())
