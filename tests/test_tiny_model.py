@@ -53,10 +53,31 @@ def test_tokenizer_round_trip():
     assert chat == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_warm_start_corpus_mixes_exact_answers_and_estimates():
+    assert tiny.answer_text("357", estimate=False) == "357"
+    assert tiny.answer_text("357", estimate=True) == "~360"
+    assert tiny.answer_text("355", estimate=True) == "~360"  # half rounds up
+    assert tiny.answer_text("4", estimate=True) == "~0"
+    tok = build_tokenizer()
+    rows = make_rows(SMALL.task, "train", 400, seed=3)
+    examples = tiny._encode_examples(tok, rows, "none", 0.6, seed=0)
+    targets = [tok.decode([t for t in labels if t != -100]) for _, labels in examples]
+    share = sum(t.startswith("~") for t in targets) / len(targets)
+    assert 0.5 < share < 0.7  # about estimate_fraction, decided per row from the seed
+    chat = tiny._encode_examples(tok, rows, "native", 0.6, seed=0)
+    chat_targets = [tok.decode([t for t in labels if t != -100]) for _, labels in chat]
+    assert chat_targets == targets  # a row keeps its style in every template
+    exact = [t for t, r in zip(targets, rows) if not t.startswith("~")]
+    assert all(t == r["answer"] + "<|im_end|>" for t, r in zip(targets, rows) if t in exact)
+
+
 def test_warm_start_lowers_the_loss(small_model_dir):
     tok = build_tokenizer()
     rows = make_rows(SMALL.task, "train", 64, seed=9)
-    batch = tiny._collate(tiny._encode_examples(tok, rows, "none"), tok.pad_token_id)
+    batch = tiny._collate(
+        tiny._encode_examples(tok, rows, "none", SMALL.estimate_fraction, SMALL.seed),
+        tok.pad_token_id,
+    )
     fresh = build_model(SMALL, tok)  # the same initialisation, before the warm-start
     trained = AutoModelForCausalLM.from_pretrained(small_model_dir)
     with torch.no_grad():

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -48,11 +49,13 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     train_rows: int = 12_000
     heldout_rows: int = 500
-    steps: int = 1000
+    steps: int = 2000
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 50
     chat_fraction: float = 0.1  # share of warm-start batches rendered with the chat template
+    # Share of warm-start answers written as an estimate, ``~360`` for 357 (see `answer_text`).
+    estimate_fraction: float = 0.6
     seed: int = 0
 
     def digest(self) -> str:
@@ -187,11 +190,30 @@ def evaluate_accuracy(
     return sum(arithmetic_exact(r["prompt"], t, r) for r, t in zip(rows, texts)) / len(rows)
 
 
-def _encode_examples(tokenizer: Any, rows: list[dict[str, str]], template: str) -> list:
+def answer_text(answer: str, estimate: bool) -> str:
+    """The warm-start target: the exact answer, or an estimate to the nearest ten (``~360``).
+
+    The warm-start corpus mixes the two styles, as a pretraining mix holds several answer
+    styles for the same kind of question. An estimate is wrong for the exact-match verifier
+    unless the answer is a multiple of ten, so RL has a behaviour the model already has (the
+    exact style) to amplify over one it must unlearn, on top of the arithmetic itself (Zhao et
+    al. 2025, "Echo Chamber: RL post-training amplifies behaviors learned in pretraining").
+    """
+    if not estimate:
+        return answer
+    value = int(answer)
+    return f"~{10 * ((value + 5) // 10)}"
+
+
+def _encode_examples(
+    tokenizer: Any, rows: list[dict[str, str]], template: str, estimate_fraction: float, seed: int
+) -> list:
     """(input_ids, labels) per row; labels are -100 on the prompt so only the answer is learned."""
     texts = render_prompts(tokenizer, [r["prompt"] for r in rows], template)
     prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    rng = random.Random(f"{seed}:style")  # a row keeps its style in every template
+    answers = [answer_text(r["answer"], rng.random() < estimate_fraction) for r in rows]
+    answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
     examples = []
     for p, a in zip(prompt_ids, answer_ids):
         target = [*a, tokenizer.eos_token_id]
@@ -215,16 +237,15 @@ def _collate(batch: list, pad_id: int) -> dict[str, Any]:
 
 def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
     """Supervised warm-start on the train split (AdamW, warmup + cosine). Returns final loss."""
-    import random
-
     import torch
 
     rows = make_rows(spec.task, "train", spec.train_rows, spec.seed)
     # Raw and chat-templated examples go in separate batches: mixing them would pad every raw
     # example to the (3x longer) chat length.
-    pools = {"none": _encode_examples(tokenizer, rows, "none")}
+    style = (spec.estimate_fraction, spec.seed)
+    pools = {"none": _encode_examples(tokenizer, rows, "none", *style)}
     if spec.chat_fraction > 0:
-        pools["native"] = _encode_examples(tokenizer, rows, "native")
+        pools["native"] = _encode_examples(tokenizer, rows, "native", *style)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
     def lr_at(step: int) -> float:
