@@ -183,6 +183,7 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
     cfg = infer_cfg(tmp_path, load_format="dummy", router_policy="round_robin", **fake_env())
     cfg.weight_sync.bucket_size_mb = 0.02
     cfg.weight_sync.timeout_s = 60
+    cfg.weight_sync.load_format = "flattened_bucket"  # auto would pick tensors on gloo
     learner = make_learner(
         "fsdp2_train", model_path=tiny_model, train=cfg.actor_train, actor=cfg.actor,
         algorithm=cfg.algorithm, temperature=1.0, total_steps=1, seed=0,

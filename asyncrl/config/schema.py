@@ -253,8 +253,10 @@ class WeightSyncConfig:
     """torch.distributed backend of the update group; auto follows the device."""
     bucket_size_mb: float = 256.0
     """Bytes per broadcast bucket, in MiB."""
-    load_format: Literal["flattened_bucket", "tensors"] = "flattened_bucket"
-    """flattened_bucket: one uint8 buffer per bucket; tensors: one broadcast per tensor."""
+    load_format: Literal["auto", "flattened_bucket", "tensors"] = "auto"
+    """flattened_bucket: one uint8 buffer per bucket (fewer NCCL/HCCL launches); tensors: one
+    broadcast per tensor, received straight into the engine's parameters (no copies: fastest on
+    gloo). auto: tensors on gloo, flattened_bucket otherwise."""
     timeout_s: float = 120.0
     """Every wait of a sync ends after this long with an error naming the stalled engine."""
     master_address: str = "127.0.0.1"

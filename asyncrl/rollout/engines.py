@@ -27,6 +27,7 @@ class EngineSet:
         self.clients: list[Any] = []
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
+        self.backend = "gloo"  # of the weight-update group; resolved by `_init_group`
         self.log_dir = Path(cfg.output_dir) / "engine_logs"
         # hf_infer or sglang (asyncrl.rollout.launchers): engines, their tp size and device.
         self.launcher = make_launcher(cfg.actor_infer, model_dir, self.log_dir, cfg.seed)
@@ -58,6 +59,7 @@ class EngineSet:
 
         ws = self.cfg.weight_sync
         backend = resolve_backend(ws.backend, self.launcher.device)  # auto: nccl|hccl|gloo
+        self.backend = backend
         tp_sizes = [self.launcher.tp_size] * len(self.clients)  # engine i joins at 1 + i*tp
         args = (self.clients, ws.master_address, ws.master_port or None, backend, ws.timeout_s)
         self.runner.run(
@@ -110,7 +112,7 @@ class EngineSet:
                 learner.weights_for_sync(),
                 learner.version,
                 bucket_bytes=int(ws.bucket_size_mb * 1024**2),
-                load_format="flattened_bucket" if ws.load_format == "flattened_bucket" else None,
+                load_format=self._load_format(),
                 pause_mode=self.cfg.async_.pause_mode,
                 dtype=dtype,
             ),
@@ -123,6 +125,12 @@ class EngineSet:
             "sync/buckets": float(stats.buckets),
         }
         return dict(self.last_sync)
+
+    def _load_format(self) -> str | None:
+        fmt = self.cfg.weight_sync.load_format
+        if fmt == "auto":  # see WeightSyncConfig.load_format
+            fmt = "tensors" if self.backend == "gloo" else "flattened_bucket"
+        return "flattened_bucket" if fmt == "flattened_bucket" else None
 
     def metrics(self) -> dict[str, float]:
         return {f"engines/{k}": float(v) for k, v in self.counters.items()}
