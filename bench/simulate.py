@@ -177,7 +177,7 @@ def _thread_cpu(native_ids: dict[str, int]) -> dict[str, float]:
 
 def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> dict[str, Any]:
     replay = ReplayQueue(ReplayConfig(work.max_staleness, work.batch))
-    receiver = Receiver(ReceiverConfig(hwm=1024, queue_size=1024))
+    receiver = Receiver(ReceiverConfig(hwm=1024))
     pool = SimPool(actors, cal, work, receiver.port, seed)
     counter = itertools.count()
     next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=[0])  # noqa: E731
@@ -186,9 +186,9 @@ def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> di
     pump = threading.Thread(target=_pump, args=(receiver, replay, stop), daemon=True)
     pump.start()
     dispatcher.start()
+    # the pump thread also receives and decodes: Receiver.get does both in its caller's thread
     threads = {"dispatcher": dispatcher._thread.native_id, "pump": pump.native_id,
-               "receiver": receiver._thread.native_id, "actors": pool.thread.native_id,
-               "learner": threading.get_native_id()}  # fmt: skip
+               "actors": pool.thread.native_id, "learner": threading.get_native_id()}  # fmt: skip
     try:
         steps = _learn(replay, pool, dispatcher, receiver, cal, work, threads)
     finally:

@@ -4,9 +4,9 @@ For groups of 1k, 4k and 16k response tokens (n=8 responses, 256 prompt tokens, 
 token on the wire) it measures groups/s and GB/s of:
 
 - codec+zmq: a sender process encodes each group and PUSHes it (asyncrl.transport.zmq.Sender);
-  this process's Receiver thread decodes and validates it and the consumer `get`s it.
+  this process's consumer `get`s it from the Receiver, which reads and decodes it in `get`.
 - raw zmq: the same sender PUSHes the same frames, encoded once beforehand; this process only
-  `recv_multipart`s them (no decode, no queue). The ceiling for any codec on this channel.
+  `recv_multipart`s them (no decode). The ceiling for any codec on this channel.
 - ray: a Ray actor method takes the TrajectoryGroup as its argument; `ray.get` on every call
   (ray sync, the baseline named in the issue), and with 32 calls in flight (ray pipelined).
 
@@ -93,8 +93,8 @@ def _sender_cpu(proc: subprocess.Popen) -> float:
 
 # -- receiver side: each returns (wall seconds per group, CPU seconds per group, both sides) ----
 def run_codec_zmq(tokens: int, count: int) -> tuple[float, float]:
-    """First record to last, through Sender.send -> Receiver thread (decode) -> Receiver.get."""
-    with Receiver(ReceiverConfig(hwm=HWM, queue_size=HWM)) as receiver:
+    """First record to last, through Sender.send -> Receiver.get (recv + decode)."""
+    with Receiver(ReceiverConfig(hwm=HWM)) as receiver:
         proc = _spawn_sender("codec", tokens, count, receiver.port)
         try:
             receiver.get(timeout_s=60)
@@ -109,7 +109,7 @@ def run_codec_zmq(tokens: int, count: int) -> tuple[float, float]:
 
 
 def run_raw_zmq(tokens: int, count: int) -> tuple[float, float]:
-    """The same frames, pre-encoded, through a bare PULL socket: no decode, no thread."""
+    """The same frames, pre-encoded, through a bare PULL socket: no decode."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, HWM)

@@ -73,7 +73,7 @@ def _free_port() -> int:
 
 def test_many_senders_threads_and_processes_nothing_lost_or_duplicated() -> None:
     threads, procs, count = 3, 2, 150
-    with Receiver(ReceiverConfig(hwm=8, queue_size=16)) as rx:
+    with Receiver(ReceiverConfig(hwm=8)) as rx:
         workers = [threading.Thread(target=_send_all, args=(rx.port, i, count)) for i in range(threads)]  # fmt: skip
         ctx = multiprocessing.get_context("spawn")
         workers += [ctx.Process(target=_send_all, args=(rx.port, threads + i, count)) for i in range(procs)]  # fmt: skip
@@ -99,7 +99,7 @@ def test_many_senders_threads_and_processes_nothing_lost_or_duplicated() -> None
 
 def test_backpressure_blocks_then_times_out_and_loses_nothing() -> None:
     big = 40_000  # ~0.5 MB per message, so kernel socket buffers fill after a few dozen
-    with Receiver(ReceiverConfig(hwm=2, queue_size=1)) as rx:  # nobody calls get: stalled
+    with Receiver(ReceiverConfig(hwm=2)) as rx:  # nobody calls get: stalled
         with Sender(SenderConfig(port=rx.port, hwm=2, send_timeout_s=0.25)) as tx:
             accepted = 0
             with pytest.raises(TransportTimeout, match="send blocked"):
@@ -109,6 +109,7 @@ def test_backpressure_blocks_then_times_out_and_loses_nothing() -> None:
                     accepted += 1
             assert time.monotonic() - started >= 0.2  # it blocked, then gave up
             assert 0 < accepted < 1000
+            assert rx.stats().received == 0  # held by libzmq and the kernel, not read ahead
             got = [rx.get(timeout_s=30) for _ in range(accepted)]
             assert [g.metadata["seq"] for g in got] == list(range(accepted))
             assert all(g.metadata["sha"] == _checksum(g) for g in got)
@@ -159,10 +160,7 @@ def test_malformed_message_rejected_and_counted_while_good_ones_flow(caplog) -> 
         sizes.append(tx.send_frames([b"\x93\x01\x02", b"junk"]))
         sizes.append(tx.send(make_group(0, 1)))
         assert [rx.get(timeout_s=10).metadata["seq"] for _ in range(2)] == [0, 1]
-        deadline = time.monotonic() + 5
-        while rx.stats().rejected < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        stats = rx.stats()
+        stats = rx.stats()  # the junk was read (and rejected) by the get that returned seq 1
     assert (stats.received, stats.rejected, stats.pings) == (2, 1, 1)
     assert stats.bytes == sum(sizes) + len(PING) == tx.bytes_sent + len(PING)
     assert stats.last_error and "bad header" in stats.last_error
@@ -170,21 +168,67 @@ def test_malformed_message_rejected_and_counted_while_good_ones_flow(caplog) -> 
     assert len(rejected) == 1 and "\n" not in rejected[0].getMessage()
 
 
-def test_broken_receiver_raises_in_get_after_queued_records() -> None:
+def test_get_with_zero_timeout_takes_what_is_already_there() -> None:
+    with Receiver(ReceiverConfig()) as rx, Sender(SenderConfig(port=rx.port)) as tx:
+        tx.send(make_group(0, 7))
+        deadline = time.monotonic() + 10
+        while True:  # a zero timeout never waits, but it does read a message libzmq holds
+            try:
+                group = rx.get(timeout_s=0)
+                break
+            except TransportTimeout:
+                assert time.monotonic() < deadline, "get(timeout_s=0) never read the message"
+                time.sleep(0.01)
+        assert group.metadata["seq"] == 7 and rx.stats().pings == 1
+
+
+def test_decoder_bug_propagates_from_get_then_receiver_stays_broken() -> None:
     def decode(frames):  # a decoder with a bug: anything but DecodeError breaks the receiver
         group = decode_group(frames)
         if group.metadata["seq"] == 1:
-            raise RuntimeError("decoder bug")
+            raise KeyError("decoder bug")
         return group
 
     with Receiver(ReceiverConfig(), decode=decode) as rx, Sender(SenderConfig(port=rx.port)) as tx:
-        tx.send(make_group(0, 0))
-        tx.send(make_group(0, 1))
+        for seq in range(3):
+            tx.send(make_group(0, seq))
         assert rx.get(timeout_s=10).metadata["seq"] == 0
-        with pytest.raises(ReceiverError, match="decoder bug"):
+        with pytest.raises(KeyError, match="decoder bug"):  # the decoder's own exception
             rx.get(timeout_s=10)
-        with pytest.raises(ReceiverError):  # and stays broken
+        # seq 1 is lost, so the receiver refuses to go on as if nothing happened
+        with pytest.raises(ReceiverError, match="decoder bug"):
             rx.get(timeout_s=0)
+        assert rx.stats().received == 1
+
+
+def test_close_wakes_a_blocked_get_and_concurrent_gets_share_the_stream() -> None:
+    rx = Receiver(ReceiverConfig(poll_interval_s=0.05))
+    count, got, errors = 200, [], []
+
+    def consume() -> None:  # two consumers; every record reaches exactly one of them
+        while True:
+            try:
+                got.append(rx.get(timeout_s=None).metadata["seq"])
+            except ReceiverError as e:
+                errors.append(e)
+                return
+
+    consumers = [threading.Thread(target=consume) for _ in range(2)]
+    for c in consumers:
+        c.start()
+    with Sender(SenderConfig(port=rx.port)) as tx:
+        for seq in range(count):
+            tx.send(make_group(0, seq))
+        deadline = time.monotonic() + 30
+        while len(got) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sorted(got) == list(range(count))
+    closing = time.monotonic()
+    rx.close()  # both consumers are now waiting forever in get
+    for c in consumers:
+        c.join(timeout=5)
+    assert time.monotonic() - closing < 2 and not any(c.is_alive() for c in consumers)
+    assert len(errors) == 2 and all("closed" in str(e) for e in errors)
 
 
 def test_closed_receiver_and_oversized_send() -> None:

@@ -1,12 +1,15 @@
 """The trajectory stream: many ZMQ PUSH senders, one PULL receiver.
 
-Backpressure, never loss: each connection buffers at most `Sender.hwm` messages on the sender
-side and `Receiver.hwm` on the receiver side (plus what the kernel's TCP buffers hold); when
-they are full, `Sender.send` blocks up to `send_timeout_s` and then raises `TransportTimeout`.
-A message `send` returned for has been queued and will be delivered while both sockets live;
-nothing is dropped to make room. The receiver's decoded-record queue is bounded too, so a
-consumer that stops calling `get` stalls the receiver thread, which stops reading, which fills
-the HWMs and blocks the senders.
+Backpressure, never loss. Who buffers what, per sender connection: the sender's libzmq pipe
+holds up to `SenderConfig.hwm` messages, the kernel's TCP send and receive buffers hold what
+fits, and the receiver's libzmq pipe holds up to `ReceiverConfig.hwm` messages. libzmq's I/O
+threads (C++, outside the GIL) move messages along in the background; nothing in Python reads
+ahead: a message leaves the receiver's pipe only when `Receiver.get` takes it, and is decoded
+then, in the caller's thread. When the consumer stops calling `get`, the receiver's pipe fills,
+its I/O thread stops reading that connection, the TCP buffers fill, the sender's pipe fills,
+and `Sender.send` blocks up to `send_timeout_s`, then raises `TransportTimeout`. A message
+`send` returned for has been queued and will be delivered while both sockets live; nothing is
+dropped to make room.
 
 READY handshake: a sender sets ZMQ_IMMEDIATE, so messages are queued only on a connection whose
 ZMTP handshake completed (i.e. the receiver's socket is bound and answering), and its
@@ -15,14 +18,15 @@ constructed without `TransportTimeout` has seen its receiver; one started before
 waits for it (up to `ready_timeout_s`). The receiver counts pings and discards them.
 
 Sockets close with linger=0 so no process hangs on exit behind a dead peer; messages still queued
-in a closing sender's pipe are discarded. The receiver binds 127.0.0.1 unless `host` says
-otherwise; port 0 picks a free port (see `Receiver.address`).
+in a closing sender's pipe, or not yet taken from a closing receiver's, are discarded. The
+receiver binds 127.0.0.1 unless `host` says otherwise; port 0 picks a free port (see
+`Receiver.address`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +61,7 @@ class TransportTimeout(TimeoutError):
 
 
 class ReceiverError(RuntimeError):
-    """The receiver stopped (closed, or its thread failed); raised in the consumer's `get`."""
+    """The receiver stopped (closed, or broken by a failed `decode`); raised by `get`."""
 
 
 @dataclass
@@ -74,16 +78,15 @@ class SenderConfig:
 class ReceiverConfig:
     host: str = "127.0.0.1"  # "0.0.0.0" (or an interface address) for multi-node runs
     port: int = 0  # 0: a free port, see Receiver.port
-    hwm: int = 64  # messages buffered per connected sender before senders block
-    queue_size: int = 64  # decoded records waiting for `get`
+    hwm: int = 64  # messages libzmq buffers per connected sender before that sender blocks
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_frames: int = MAX_FRAMES
-    poll_interval_s: float = 0.05  # how often the thread looks at its stop flag
+    poll_interval_s: float = 0.05  # how often a waiting `get` looks whether `close` was called
 
 
 @dataclass(frozen=True)
 class ReceiverStats:
-    received: int  # records decoded and queued
+    received: int  # records decoded and returned by `get`
     rejected: int  # messages that failed to decode (dropped, reason logged)
     bytes: int  # bytes of every message read off the socket, rejected ones included
     pings: int  # READY pings seen
@@ -159,12 +162,22 @@ class Sender:
 
 
 class Receiver(Generic[T]):
-    """One PULL socket and a thread that decodes each message into a bounded queue.
+    """One PULL socket; `get` receives and decodes the next message in the caller's thread.
+
+    There is no Python receiver thread: libzmq's I/O thread (C++, no GIL) reads the sockets in
+    the background and buffers up to `hwm` messages per sender, so a consumer never competes
+    for the GIL with a second Python thread (measured: that contention tripled decode cost).
 
     `decode(frames)` must return the record or raise DecodeError (default: `decode_group` with
     this config's limits). A DecodeError rejects the message: counted, one-line reason logged,
-    dropped; good messages keep flowing. Any other exception stops the thread and is re-raised
-    from the consumer's next `get` as ReceiverError (after the records already queued).
+    dropped, and `get` goes on to the next one. Any other exception from `decode` propagates
+    from that `get` unchanged; the message is lost, so the receiver is then broken: every later
+    `get` raises ReceiverError (chained to it). Senders see backpressure, as with a stalled
+    consumer.
+
+    Threads: `get` from one thread at a time (a lock serialises callers); `stats()` and
+    `close()` from any thread. `close` waits for an in-flight `get`, which notices it within
+    `poll_interval_s`.
     """
 
     def __init__(
@@ -177,15 +190,14 @@ class Receiver(Generic[T]):
         self._decode = decode or self._decode_group
         self._own_context = context is None
         self._context = context or zmq.Context()
-        self._queue: queue.Queue[T] = queue.Queue(maxsize=config.queue_size)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._get_lock = threading.Lock()  # guards the socket: zmq sockets are not thread-safe
+        self._stats_lock = threading.Lock()
         self._counts = {"received": 0, "rejected": 0, "bytes": 0, "pings": 0}
         self._last_error: str | None = None
         self._failure: BaseException | None = None
+        self._closed = False
+        self._timeout_ms = -1  # libzmq's RCVTIMEO default: block
         self._socket = self._bind()
-        self._thread = threading.Thread(target=self._run, name="asyncrl-receiver", daemon=True)
-        self._thread.start()
 
     def _bind(self) -> zmq.Socket:
         sock = self._context.socket(zmq.PULL)
@@ -211,95 +223,96 @@ class Receiver(Generic[T]):
         cfg = self.config
         return decode_group(frames, max_bytes=cfg.max_message_bytes, max_frames=cfg.max_frames)
 
-    # -- receiver thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        # A receive timeout instead of a poll per message: one call per message on the hot path,
-        # and the stop flag is still looked at every poll interval.
-        self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(self.config.poll_interval_s * 1000)))
+    def get(self, timeout_s: float | None = None) -> T:
+        """The next record; TransportTimeout after `timeout_s` (None: wait forever);
+        ReceiverError once the receiver is closed or broken. Pings and rejected messages are
+        skipped within the same deadline. A custom `decode`'s non-DecodeError propagates."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        wait = -1 if timeout_s is None else max(0.0, timeout_s)
+        if not self._get_lock.acquire(timeout=wait):
+            raise TransportTimeout(f"no record on {self.address} within {timeout_s}s")
         try:
-            while not self._stop.is_set():
-                try:
-                    frames = self._socket.recv_multipart(copy=False)
-                except zmq.Again:
-                    continue
-                self._handle(frames)
-        except BaseException as e:  # surfaced to the consumer by `get`
-            if not self._stop.is_set():
-                log.error("receiver %s failed: %r", self.address, e)
-                self._failure = e
+            while True:
+                self._check_open()
+                frames = self._recv(deadline, timeout_s)
+                if frames is not None:
+                    found, record = self._handle(frames)
+                    if found:
+                        return record
         finally:
-            self._socket.close(linger=0)
+            self._get_lock.release()
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _check_open(self) -> None:
+        failure = self._failure
+        if failure is not None:
+            raise ReceiverError(f"receiver {self.address} failed: {failure!r}") from failure
+        if self._closed:
+            raise ReceiverError(f"receiver {self.address} is closed")
+
+    def _recv(self, deadline: float | None, timeout_s: float | None) -> list[zmq.Frame] | None:
+        """One message, or None after waiting at most `poll_interval_s` (to look at the closed
+        flag again). One blocking call per message, bounded by RCVTIMEO; the option is set only
+        when the bound changes (near the deadline), not per message. At or past the deadline it
+        still takes a message libzmq already holds (RCVTIMEO 0), so `get(timeout_s=0)` polls."""
+        wait = self.config.poll_interval_s
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+        timeout_ms = max(0, math.ceil(wait * 1000))
+        if timeout_ms != self._timeout_ms:
+            self._socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._timeout_ms = timeout_ms
+        try:
+            return self._socket.recv_multipart(copy=False)
+        except zmq.Again:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransportTimeout(f"no record on {self.address} within {timeout_s}s") from None
+            return None
+
+    def _handle(self, frames: list[zmq.Frame]) -> tuple[bool, Any]:
+        """(True, record) for a record; (False, None) for a ping or a rejected message."""
         nbytes = sum(len(f) for f in frames)
         if len(frames) == 1 and frames[0].bytes == PING:
             self._count(nbytes, "pings")
-            return
+            return False, None
         try:
             record = self._decode(frames)
         except DecodeError as e:
             self._count(nbytes, "rejected", error=str(e))
             log.warning("rejected message on %s: %s", self.address, e)
-            return
-        self._put(record)
+            return False, None
+        except BaseException as e:  # a decoder bug: this message is lost, say so from now on
+            log.error("receiver %s failed: %r", self.address, e)
+            self._failure = e
+            raise
         self._count(nbytes, "received")
-
-    def _put(self, record: T) -> None:
-        # Blocking here (a full queue) is the backpressure path: we stop reading the socket.
-        while not self._stop.is_set():
-            try:
-                self._queue.put(record, timeout=self.config.poll_interval_s)
-                return
-            except queue.Full:
-                continue
+        return True, record
 
     def _count(self, nbytes: int, counter: str, error: str | None = None) -> None:
-        with self._lock:
+        with self._stats_lock:
             self._counts[counter] += 1
             self._counts["bytes"] += nbytes
             if error is not None:
                 self._last_error = error
 
-    # -- consumer side ------------------------------------------------------------------------
-    def get(self, timeout_s: float | None = None) -> T:
-        """The next record; TransportTimeout after `timeout_s` (None: wait forever);
-        ReceiverError once the receiver is closed or broken and its queue is empty."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            stopped = self._failure is not None or self._stop.is_set()
-            if stopped or (left is not None and left <= 0):
-                try:  # records already decoded are delivered even after a failure
-                    return self._queue.get_nowait()
-                except queue.Empty:
-                    if stopped:
-                        raise ReceiverError(self._why_stopped()) from self._failure
-                    raise TransportTimeout(
-                        f"no record on {self.address} within {timeout_s}s"
-                    ) from None
-            try:  # wake at least every poll interval to notice a failed or closed receiver
-                wait = self.config.poll_interval_s
-                return self._queue.get(timeout=wait if left is None else min(wait, left))
-            except queue.Empty:
-                continue
-
-    def _why_stopped(self) -> str:
-        if self._failure is not None:
-            return f"receiver {self.address} failed: {self._failure!r}"
-        return f"receiver {self.address} is closed"
-
     def stats(self) -> ReceiverStats:
-        with self._lock:
+        with self._stats_lock:
             return ReceiverStats(**self._counts, last_error=self._last_error)
 
-    def qsize(self) -> int:
-        return self._queue.qsize()
-
     def close(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-        if self._own_context and not self._thread.is_alive() and not self._context.closed:
-            self._context.term()
+        """Stop: later `get`s raise ReceiverError; messages still buffered are discarded."""
+        self._closed = True
+        # The socket is closed by whoever holds the get lock last; an in-flight get wakes
+        # within poll_interval_s, sees the flag and lets go.
+        if not self._get_lock.acquire(timeout=timeout_s):
+            log.warning("receiver %s: a get did not return within %ss", self.address, timeout_s)
+            return
+        try:
+            if not self._socket.closed:
+                self._socket.close(linger=0)
+            if self._own_context and not self._context.closed:
+                self._context.term()
+        finally:
+            self._get_lock.release()
 
     def __enter__(self) -> Receiver[T]:
         return self
