@@ -98,51 +98,72 @@ def log_ratio(
     return torch.where(valid, diff, torch.zeros((), dtype=dtype, device=diff.device))
 
 
-def _log_weights(lr: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
-    """Unclamped log-weight per token, [batch, seq_len] (sequence levels broadcast)."""
+def _log_weights(lr: torch.Tensor, tokens: mm.ValidTokens, level: str) -> torch.Tensor:
+    """Unclamped log-weights: [batch, seq_len] at token level, [batch, 1] at the sequence
+    levels (broadcast only at the end, so clamp, exp and bounds run once per sequence)."""
     if level == "token":
         return lr
+    per_seq = lr.sum(dim=-1, keepdim=True)  # lr is already 0 under the mask
     if level == "sequence":
-        per_seq = lr.sum(dim=-1, keepdim=True)  # lr is already 0 under the mask
-    else:
-        per_seq = mm.masked_mean(lr, valid, dim=-1).unsqueeze(-1)
-    return per_seq.expand_as(lr)
+        return per_seq
+    # geometric: the masked mean, as `agg.masked_mean` divides it (an empty row gets 0 / 1)
+    return per_seq / tokens.counts.to(lr.dtype).clamp(min=1).unsqueeze(-1)
 
 
-def _bound_weights(
-    raw: torch.Tensor, valid: torch.Tensor, mode: str, lower: float, upper: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Apply truncate or clip; report the fraction of valid tokens each one changed."""
+def _bound_weights(raw: torch.Tensor, mode: str, lower: float, upper: float) -> torch.Tensor:
+    """Apply truncate (cap at upper) or clip (zero outside [lower, upper])."""
     if mode == "truncate":
-        changed = raw > upper
-        weights = raw.clamp(max=upper)
-    else:
-        changed = (raw < lower) | (raw > upper)
-        weights = torch.where(changed, torch.zeros_like(raw), raw)
-    fraction = mm.masked_mean(changed.to(torch.float64), valid)
+        return raw.clamp(max=upper)
+    return torch.where((raw < lower) | (raw > upper), torch.zeros_like(raw), raw)
+
+
+def _mode_stats(raw: mm.Sample, mode: str, lower: float, upper: float) -> dict[str, torch.Tensor]:
+    """The fraction of valid tokens truncate or clip changed (the other one reports 0)."""
+    v = raw.values  # compared in the weights' own dtype, exactly as `_bound_weights` does
+    changed = v > upper if mode == "truncate" else (v < lower) | (v > upper)
+    fraction = raw.fraction(changed)
     zero = torch.zeros_like(fraction)
-    return weights, {
+    return {
         "rollout_is_truncated_fraction": fraction if mode == "truncate" else zero,
         "rollout_is_clipped_fraction": fraction if mode == "clip" else zero,
     }
 
 
 def _veto(
-    lr: torch.Tensor, valid: torch.Tensor, veto_threshold: object
+    lr: torch.Tensor, valid: torch.Tensor, tokens: mm.ValidTokens, veto_threshold: object
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bool [batch] of vetoed sequences, with the veto and catastrophic-token fractions."""
+    zero = torch.zeros((), dtype=torch.float64, device=lr.device)
     if veto_threshold is None:
-        catastrophic = torch.zeros_like(valid)
-    else:
-        log_veto = math.log(positive_float("rollout_is_veto_threshold", veto_threshold))
-        catastrophic = valid & (lr < log_veto)
+        vetoed = torch.zeros(valid.shape[:1], dtype=torch.bool, device=valid.device)
+        stats = {"rollout_is_veto_fraction": zero, "rollout_is_catastrophic_token_fraction": zero}
+        return vetoed, stats
+    log_veto = math.log(positive_float("rollout_is_veto_threshold", veto_threshold))
+    catastrophic = valid & (lr < log_veto)  # the true per-token ratio, before any clamp
     vetoed = catastrophic.any(dim=-1)
+    # Integer counts (count_nonzero) give the same fractions as float64 means of 0/1 flags.
+    nonempty = tokens.nonempty.count_nonzero().clamp(min=1).to(torch.float64)
+    caught = catastrophic.count_nonzero().to(torch.float64)
     return vetoed, {
-        "rollout_is_veto_fraction": mm.masked_mean(vetoed.to(torch.float64), valid.any(dim=-1)),
-        "rollout_is_catastrophic_token_fraction": mm.masked_mean(
-            catastrophic.to(torch.float64), valid
-        ),
+        "rollout_is_veto_fraction": vetoed.count_nonzero().to(torch.float64) / nonempty,
+        "rollout_is_catastrophic_token_fraction": caught / tokens.n if tokens.n else zero,
     }
+
+
+def _samples(
+    lr: torch.Tensor, log_w: torch.Tensor, raw: torch.Tensor, tokens: mm.ValidTokens, level: str
+) -> tuple[mm.Sample, mm.Sample, torch.Tensor]:
+    """The log-weights and weights as samples over the valid tokens, and the per-sequence mean
+    weight (float64 [batch], 1.0 for an empty row) that the sequence statistics describe."""
+    if level == "token":
+        raw_s = mm.Sample(tokens.take(raw), None, tokens.n)
+        seq_w = tokens.row_mean(raw_s.f64, empty=1.0)
+        return mm.Sample(tokens.take(lr), None, tokens.n), raw_s, seq_w
+    # One value per sequence, counted once per valid token: no [batch, seq_len] copy is needed,
+    # and a sequence's mean weight is its weight.
+    log_s = mm.Sample(log_w.squeeze(-1), tokens.counts, tokens.n)
+    raw_s = mm.Sample(raw.squeeze(-1), tokens.counts, tokens.n)
+    return log_s, raw_s, torch.where(tokens.nonempty, raw_s.values.to(torch.float64), 1.0)
 
 
 def compute_rollout_importance_weights(
@@ -158,7 +179,8 @@ def compute_rollout_importance_weights(
     """Rollout IS weights [batch, seq_len] (detached) and `mismatch/` metrics; see the module doc.
 
     `rollout_is_threshold=None` returns (None, {}). Nonzero `response_mask` entries are valid.
-    Weights come back in float32 (float64 if the log-probs are float64).
+    Weights come back in float32 (float64 if the log-probs are float64). The weights are built
+    on the padded matrix; every metric runs on the valid tokens, compacted once.
     """
     check_choice("rollout_is_level", rollout_is_level, IS_LEVELS)
     check_choice("rollout_is_mode", rollout_is_mode, IS_MODES)
@@ -170,21 +192,23 @@ def compute_rollout_importance_weights(
     )
     with torch.no_grad():
         valid = response_mask.bool()
+        tokens = mm.ValidTokens.of(valid)
         lr = log_ratio(old_log_prob, rollout_log_prob, valid)
-        log_w = _log_weights(lr, valid, rollout_is_level)
-        raw = torch.exp(log_w.clamp(min=-SAFETY_LOG_BOUND, max=SAFETY_LOG_BOUND))
-        weights, mode_stats = _bound_weights(raw, valid, rollout_is_mode, lower, upper)
-        vetoed, veto_stats = _veto(lr, valid, rollout_is_veto_threshold)
+        log_w = _log_weights(lr, tokens, rollout_is_level)
+        raw = log_w.clamp(min=-SAFETY_LOG_BOUND, max=SAFETY_LOG_BOUND).exp_()  # one buffer
+        vetoed, veto_stats = _veto(lr, valid, tokens, rollout_is_veto_threshold)
         keep = valid & ~vetoed.unsqueeze(-1)
-        weights = torch.where(keep, weights, torch.zeros_like(weights))
+        bounded = _bound_weights(raw, rollout_is_mode, lower, upper)  # broadcast here if [B, 1]
+        weights = torch.where(keep, bounded, torch.zeros((), dtype=raw.dtype, device=raw.device))
+        log_s, raw_s, seq_w = _samples(lr, log_w, raw, tokens, rollout_is_level)
         stats = {
-            **mm.weight_distribution(raw, valid),
-            "rollout_is_eff_sample_size": mm.effective_sample_size(raw, valid, lower, upper),
-            **mm.threshold_fractions(log_w, valid, lower, upper),
-            **mode_stats,
+            **mm.weight_distribution(raw_s),
+            "rollout_is_eff_sample_size": mm.effective_sample_size(raw_s, lower, upper),
+            **mm.threshold_fractions(log_s, lower, upper),
+            **_mode_stats(raw_s, rollout_is_mode, lower, upper),
             **veto_stats,
-            **mm.sequence_stats(raw, valid, lower, upper),
-            **mm.mismatch_metrics(old_log_prob, rollout_log_prob, valid),
+            **mm.sequence_stats(seq_w, tokens, lower, upper),
+            **mm.mismatch_metrics(tokens.take(old_log_prob), tokens.take(rollout_log_prob), tokens),
         }
     return weights.detach(), mm.to_floats(stats, METRIC_PREFIX)
 

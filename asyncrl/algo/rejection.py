@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.algo import agg
 from asyncrl.algo import mismatch_metrics as mm
 from asyncrl.algo.importance import SAFETY_LOG_BOUND, check_choice, check_same_shape, log_ratio
 
@@ -84,34 +83,60 @@ def _as_criterion(item: object) -> RejectionCriterion:
 
 
 def divergence(lr: torch.Tensor, kind: str) -> torch.Tensor:
-    """k1, k2 or k3 of a log ratio lr = log(π_old / π_rollout), elementwise."""
+    """k1, k2 or k3 of a log ratio lr = log(π_old / π_rollout), elementwise (a new tensor)."""
     if kind == "k1":
         return -lr
     if kind == "k2":
-        return 0.5 * lr.square()
-    return torch.expm1(lr) - lr  # k3 = exp(lr) - 1 - lr, expm1 is exact near 0
+        return lr.square().mul_(0.5)  # in place on the fresh square: one [B, T] buffer, not two
+    return torch.expm1(lr).sub_(lr)  # k3 = exp(lr) - 1 - lr, expm1 is exact near 0
 
 
-def _statistic(lr: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor:
-    """The criterion's statistic: [batch, seq_len] for token criteria, [batch] for sequences."""
+class _Batch:
+    """What every criterion reads, computed once: the clamped log ratio (0 under the mask, so
+    each divergence is 0 there and row reductions need no re-masking), the divergences asked
+    for so far (criteria sharing a kind share one), and the per-row counts when needed."""
+
+    def __init__(self, lr: torch.Tensor, valid: torch.Tensor) -> None:
+        self.lr, self.valid = lr, valid
+        self._k: dict[str, torch.Tensor] = {}
+        self._counts: torch.Tensor | None = None
+
+    def k(self, kind: str) -> torch.Tensor:
+        if kind not in self._k:
+            self._k[kind] = divergence(self.lr, kind)
+        return self._k[kind]
+
+    def counts(self) -> torch.Tensor:
+        """Valid tokens per row, as a divisor in the log ratio's dtype (an empty row gets 1,
+        its sum being 0): the same division `agg.masked_mean` does."""
+        if self._counts is None:
+            self._counts = self.valid.sum(dim=-1).clamp(min=1).to(self.lr.dtype)
+        return self._counts
+
+
+def _statistic(batch: _Batch, name: str) -> torch.Tensor:
+    """The criterion's statistic: [batch, seq_len] for token criteria, [batch] for sequences.
+
+    k is exactly 0 at padded positions, so plain row sums and maxima equal the masked ones."""
     scope, kind = name.rsplit("_", 1)
-    k = divergence(lr, kind)
+    k = batch.k(kind)
     if scope == "token":
         return k
     if scope == "seq_sum":
-        return agg.masked_sum(k, valid, dim=-1)
+        return k.sum(dim=-1)
     if scope == "seq_mean":
-        return mm.masked_mean(k, valid, dim=-1)
+        return k.sum(dim=-1) / batch.counts()
     # seq_max: an empty row gets 0 (k2, k3 >= 0); it holds no valid token to reject anyway.
-    return torch.where(valid, k, torch.zeros_like(k)).amax(dim=-1)
+    return k.amax(dim=-1)
 
 
 def _outside(stat: torch.Tensor, criterion: RejectionCriterion) -> torch.Tensor:
-    rejected = torch.zeros_like(stat, dtype=torch.bool)
-    if criterion.lower is not None:
-        rejected |= stat < criterion.lower
+    """Bool mask of the statistic outside [lower, upper] (NaN is never outside)."""
+    rejected = None if criterion.lower is None else stat < criterion.lower
     if criterion.upper is not None:
-        rejected |= stat > criterion.upper
+        high = stat > criterion.upper
+        rejected = high if rejected is None else rejected.logical_or_(high)
+    assert rejected is not None  # RejectionCriterion insists on a bound
     return rejected
 
 
@@ -136,23 +161,28 @@ def rejection_mask(
     with torch.no_grad():
         valid = response_mask.bool()
         nonempty = valid.any(dim=-1)
+        n_valid, n_rows = _count(valid), _count(nonempty)
+        # divisors: an empty batch has nothing to reject, so its fractions are 0 / 1 = 0
+        per_token, per_row = n_valid.clamp(min=1), n_rows.clamp(min=1)
         lr = log_ratio(old_log_prob, rollout_log_prob, valid)
-        lr = lr.clamp(min=-SAFETY_LOG_BOUND, max=SAFETY_LOG_BOUND)
+        batch = _Batch(lr.clamp_(min=-SAFETY_LOG_BOUND, max=SAFETY_LOG_BOUND), valid)
         keep = valid.clone()
         stats: dict[str, torch.Tensor] = {}
         for criterion in parsed:
-            rejected = _outside(_statistic(lr, valid, criterion.name), criterion)
-            if rejected.dim() == 1:  # a sequence criterion rejects the whole row
-                stats[f"{criterion.name}_fraction"] = _fraction(rejected, nonempty)
-                keep &= ~rejected.unsqueeze(-1)
-            else:
-                stats[f"{criterion.name}_fraction"] = _fraction(rejected, valid)
-                keep &= ~rejected
-        stats["masked_token_fraction"] = _fraction(~keep, valid)
-        stats["masked_seq_fraction"] = _fraction(~keep.any(dim=-1), nonempty)
-        new_mask = torch.where(keep, response_mask, torch.zeros_like(response_mask))
+            rejected = _outside(_statistic(batch, criterion.name), criterion)
+            over, total = (nonempty, per_row) if rejected.dim() == 1 else (valid, per_token)
+            # counted among valid tokens / non-empty rows only: padding may fail a bound too
+            stats[f"{criterion.name}_fraction"] = _count(rejected & over) / total
+            rejected = rejected.unsqueeze(-1) if rejected.dim() == 1 else rejected
+            keep.logical_and_(rejected.logical_not_())  # a sequence criterion drops the row
+        # keep is a subset of valid: what it lost is the difference of two exact counts
+        stats["masked_token_fraction"] = (n_valid - _count(keep)) / per_token
+        stats["masked_seq_fraction"] = (n_rows - _count(keep.any(dim=-1))) / per_row
+        zero = torch.zeros((), dtype=response_mask.dtype, device=response_mask.device)
+        new_mask = torch.where(keep, response_mask, zero)
     return new_mask, mm.to_floats(stats, METRIC_PREFIX)
 
 
-def _fraction(flags: torch.Tensor, over: torch.Tensor) -> torch.Tensor:
-    return mm.masked_mean(flags.to(torch.float64), over)
+def _count(flags: torch.Tensor) -> torch.Tensor:
+    """Number of set flags as a float64 0-d tensor (exact; no device sync)."""
+    return flags.count_nonzero().to(torch.float64)
