@@ -81,7 +81,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # Benches whose flags predate the shared `--smoke` (CI sizes), and what it means for them.
 LEGACY_SMOKE_FLAGS = {
-    "transport": ["--quick", "--skip-ray", "--repeats", "1", "--out", "{smoke}"],
     "codec-choice": ["--quick"],
 }
 

@@ -11,31 +11,27 @@ token on the wire) it measures groups/s and GB/s of:
   (ray sync, the baseline named in the issue), and with 32 calls in flight (ray pipelined).
 
 Targets: codec+zmq >= 10x ray (sync) and >= 0.8x raw zmq. Prints a table, writes
-bench/results/transport.json and transport.png.
+bench/results/transport.json and transport.png and compares with the recorded baseline.
 
-    python bench/transport.py [--quick] [--skip-ray]
+    asyncrl bench transport [--smoke] [--quick] [--skip-ray] [--repeats N] [--record-baseline]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
+from common import finish, headline, make_parser
 
 from asyncrl.transport.codec import encode_group, message_nbytes
 from asyncrl.transport.zmq import Receiver, ReceiverConfig, Sender, SenderConfig
 from asyncrl.types import TrajectoryGroup
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (1024, 4096, 16384)
 HWM = 128
 TARGET_RAY, TARGET_RAW = 10.0, 0.8
@@ -206,14 +202,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['tokens']:>6} {r['bytes_per_group'] / 1024:>7.1f} | {cells}{ratios}")
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(rows: list[dict[str, Any]], ax: Any) -> None:
     methods = [m for m in ("codec_zmq", "raw_zmq", "ray_sync", "ray_pipelined") if m in rows[0]]
-    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(rows))]
@@ -224,9 +214,6 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("groups / s (log)")
     ax.set_title("TrajectoryGroup transport, n=8 (one sender, one receiver, loopback)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(methods), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _start_ray() -> None:
@@ -242,43 +229,36 @@ def _start_ray() -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="5-10x fewer messages, 2 trials")
     parser.add_argument("--skip-ray", action="store_true", help="ZMQ rows only (no Ray start)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--repeats", type=int, default=None, help="trials per ZMQ method")
     args = parser.parse_args(argv)
-    repeats = args.repeats or (2 if args.quick else 3)
-    load_before = os.getloadavg()
-    if not args.skip_ray:
+    quick, skip_ray = args.quick or args.smoke, args.skip_ray or args.smoke
+    repeats = args.repeats or (1 if args.smoke else 2 if quick else 3)
+    if not skip_ray:
         _start_ray()
     try:
-        rows = [_measure(t, args.quick, args.skip_ray, repeats) for t in SIZES]
+        rows = [_measure(t, quick, skip_ray, repeats) for t in SIZES]
     finally:
-        if not args.skip_ray:
+        if not skip_ray:
             import ray
 
             ray.shutdown()
     _print_table(rows)
+    met = {"vs_raw_zmq": all(r["vs_raw_zmq"] >= TARGET_RAW for r in rows)}
+    headlines = {f"vs_raw_zmq_{r['tokens'] // 1024}k": headline(r["vs_raw_zmq"], True, "x")
+                 for r in rows}  # fmt: skip
+    headlines["codec_groups_per_s_1k"] = headline(rows[0]["codec_zmq"]["groups_per_s"], True, "/s")
+    if not skip_ray:
+        met["vs_ray_sync"] = all(r["vs_ray_sync"] >= TARGET_RAY for r in rows)
+        headlines["vs_ray_sync_1k"] = headline(rows[0]["vs_ray_sync"], True, "x")
     result = {
-        "command": "python bench/transport.py " + " ".join(argv or sys.argv[1:]),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-        },
         "targets": {"vs_ray_sync": TARGET_RAY, "vs_raw_zmq": TARGET_RAW},
-        "met": {
-            "vs_ray_sync": all(r.get("vs_ray_sync", 0) >= TARGET_RAY for r in rows),
-            "vs_raw_zmq": all(r["vs_raw_zmq"] >= TARGET_RAW for r in rows),
-        },
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "transport.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(rows, args.out / "transport.png")
-    return result
+        "met": met, "headline": headlines, "rows": rows,
+    }  # fmt: skip
+    return finish("transport", result, args, lambda fig: _plot(rows, fig.subplots()), argv)
 
 
 if __name__ == "__main__":
