@@ -173,7 +173,7 @@ class TorchLearner:
         chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
         sums: dict[str, float] = {}
         if not chunks:  # no rows here this time: a zero-loss pass keeps DDP's collectives matched
-            loss, _ = self._micro_loss(data, prep, torch.zeros(1, dtype=torch.long), totals)
+            loss, _, _ = self._micro_loss(data, prep, torch.zeros(1, dtype=torch.long), totals)
             (loss * 0.0).backward()
         for i, idx in enumerate(chunks):
             last = i == len(chunks) - 1
@@ -181,11 +181,14 @@ class TorchLearner:
             if self.world_size > 1 and not last:
                 sync = self.train_model.no_sync()
             with sync:
-                loss, metrics = self._micro_loss(data, prep, idx, totals)
+                loss, metrics, share = self._micro_loss(data, prep, idx, totals)
                 # DDP averages gradients over ranks; the loss is normalised globally already.
                 (loss * self.world_size).backward()
+            # Metrics weigh like the loss (tokens or sequences of the whole mini-batch, over all
+            # ranks), so they do not depend on how rows are split into micro-batches or ranks;
+            # `_average_over_ranks` divides by the world size again.
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * len(idx) / max(1, len(rows))
+                sums[key] = sums.get(key, 0.0) + value * share * self.world_size
         max_norm = self.train.training_args.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf")
@@ -202,7 +205,8 @@ class TorchLearner:
         prep: dict[str, Any],
         idx: torch.Tensor,
         totals: dict[str, Any],
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, float], float]:
+        """(loss scaled by its share of the mini-batch, metrics, that share)."""
         actor = self.actor
         micro = select_rows(data, idx)
         mask = prep["mask"][idx]
@@ -214,7 +218,8 @@ class TorchLearner:
         rows["rollout_logprobs"] = micro["rollout_logprobs"]
         loss, metrics = objective(actor, self.loss_fn, self.loss_params, logp, entropy, rows)
         # Aggregate over the whole mini-batch, not per micro-batch (see common.micro_share).
-        return loss * micro_share(actor.loss_agg_mode, mask, len(idx), totals), metrics
+        share = micro_share(actor.loss_agg_mode, mask, len(idx), totals)
+        return loss * share, metrics, float(share)
 
     def _average_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """Every rank computes the same metric keys on its shard; report their mean."""
