@@ -8,7 +8,8 @@ flatten, POST `/update_weights_from_distributed`, broadcast, the engine loads it
 Both load formats are measured: `flattened_bucket` (one uint8 buffer per bucket, packed into a
 reused staging buffer and copied into the parameters on arrival) and per-tensor broadcasts
 (`load_format` None, received straight into the engine's parameters). The loop's `auto` picks
-per-tensor on gloo and flattened on NCCL/HCCL; the target applies to that path.
+per bucket on gloo (per-tensor when the tensors average >= 1 MiB, as every bucket of this model
+does) and flattened on NCCL/HCCL; the target applies to that path.
 
 raw: two fresh processes in a plain `init_process_group` broadcast the same bytes in the same
 bucket sizes (one preallocated uint8 tensor per bucket, no HTTP, no copies), closed by a

@@ -88,6 +88,15 @@ def test_flatten_into_a_reused_staging_buffer_matches_a_fresh_one():
     assert staging.get(4, torch.device("cpu")).numel() == 4
 
 
+def test_auto_load_format_flattens_small_tensors_and_sends_large_ones_alone():
+    from asyncrl.weights.sync import PER_TENSOR_MIN_BYTES, _bucket_format
+
+    small = [("norm", torch.zeros(64)), ("bias", torch.zeros(128))]
+    large = [("w", torch.zeros(PER_TENSOR_MIN_BYTES // 2)), ("norm", torch.zeros(4))]  # 2 MiB
+    assert _bucket_format(small) == "flattened_bucket"
+    assert _bucket_format(large) is None  # average over 1 MiB: straight into the parameters
+
+
 # ---- against a real server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -122,7 +131,7 @@ def test_sync_plain_and_flattened_updates_weights_and_version(server):
         async with EngineClient(server.url, timeout=30) as client:
             sender = WeightSender(group_name="sync_test", timeout_s=GROUP_TIMEOUT)
             await sender.init_group([client], backend="gloo")
-            for version, fmt in [(1, None), (2, "flattened_bucket")]:
+            for version, fmt in [(1, None), (2, "flattened_bucket"), (3, "auto")]:
                 model = make_tiny_model(seed=version)
                 stats = await sender.sync(
                     model.named_parameters(), version, bucket_bytes=16_000, load_format=fmt
@@ -134,12 +143,12 @@ def test_sync_plain_and_flattened_updates_weights_and_version(server):
                 assert await client.get_weight_version() == str(version)
             # a bad bucket is refused whole and leaves the model as it was
             with pytest.raises(WeightSyncError, match=server.url):
-                await sender.sync([("model.nope.weight", torch.zeros(3))], version=3)
+                await sender.sync([("model.nope.weight", torch.zeros(3))], version=4)
             bad_shape = [("lm_head.weight", torch.zeros(2, 2))]
             with pytest.raises(WeightSyncError, match="shape mismatch"):
-                await sender.sync(bad_shape, version=3, load_format=None)
+                await sender.sync(bad_shape, version=5, load_format=None)
             await client.resume()  # a failed sync leaves engines paused on purpose
-            assert await greedy_matches(client, model) == "2"
+            assert await greedy_matches(client, model) == "3"
             await sender.close()
 
     asyncio.run(go())

@@ -256,7 +256,8 @@ class WeightSyncConfig:
     load_format: Literal["auto", "flattened_bucket", "tensors"] = "auto"
     """flattened_bucket: one uint8 buffer per bucket (fewer NCCL/HCCL launches); tensors: one
     broadcast per tensor, received straight into the engine's parameters (no copies: fastest on
-    gloo). auto: tensors on gloo, flattened_bucket otherwise."""
+    gloo for large tensors). auto: on gloo, per bucket, tensors when they average >= 1 MiB and
+    flattened otherwise (small tensors pay a collective's latency each); flattened on NCCL/HCCL."""
     timeout_s: float = 120.0
     """Every wait of a sync ends after this long with an error naming the stalled engine."""
     master_address: str = "127.0.0.1"

@@ -129,7 +129,7 @@ class EngineSet:
     def _load_format(self) -> str | None:
         fmt = self.cfg.weight_sync.load_format
         if fmt == "auto":  # see WeightSyncConfig.load_format
-            fmt = "tensors" if self.backend == "gloo" else "flattened_bucket"
+            return "auto" if self.backend == "gloo" else "flattened_bucket"
         return "flattened_bucket" if fmt == "flattened_bucket" else None
 
     def metrics(self) -> dict[str, float]:

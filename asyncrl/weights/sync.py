@@ -94,6 +94,17 @@ def _in_thread(fn, *args) -> asyncio.Future:
     return fut
 
 
+#: `load_format="auto"`: buckets whose tensors average at least this many bytes go per tensor.
+PER_TENSOR_MIN_BYTES = 1 << 20
+
+
+def _bucket_format(bucket: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Per tensor (received straight into the parameters, no copies) when the tensors are large;
+    one flattened broadcast when they are small, where each collective's latency dominates."""
+    mean = sum(tensor_nbytes(t) for _, t in bucket) / len(bucket)
+    return None if mean >= PER_TENSOR_MIN_BYTES else "flattened_bucket"
+
+
 def _device_for(backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -163,22 +174,26 @@ class WeightSender:
         dtype: torch.dtype | None = None,
         flush_cache: bool = True,
     ) -> SyncStats:
-        """Send full tensors under HF names (floating ones cast to `dtype` if given)."""
+        """Send full tensors under HF names (floating ones cast to `dtype` if given).
+
+        `load_format`: "flattened_bucket", None (one broadcast per tensor) or "auto" (chosen
+        per bucket by `_bucket_format`)."""
         if self._group is None:
             raise WeightSyncError("no weight update group: call init_group first")
         if self._broken:
             raise WeightSyncError(f"group broken by an earlier failure ({self._broken})")
-        if load_format not in (None, "flattened_bucket"):
+        if load_format not in (None, "flattened_bucket", "auto"):
             raise WeightSyncError(f"unknown load_format {load_format!r}")
         start, nbytes, nbuckets, ntensors = time.perf_counter(), 0, 0, 0
         if pause_mode:
             await self._control(lambda e: e.pause(pause_mode), f"pause({pause_mode})")
         converted = ((n, self._prepare(t, dtype)) for n, t in named_tensors)
         try:
-            flat = load_format == "flattened_bucket"  # one dtype per flattened bucket
+            flat = load_format is not None  # one dtype per (possibly) flattened bucket
             for bucket, last in _with_last(bucketize(converted, bucket_bytes, split_dtypes=flat)):
+                fmt = _bucket_format(bucket) if load_format == "auto" else load_format
                 nbytes += await self._send_bucket(
-                    bucket, version if last else None, load_format, flush_cache and last, nbuckets
+                    bucket, version if last else None, fmt, flush_cache and last, nbuckets
                 )
                 nbuckets += 1
                 ntensors += len(bucket)
