@@ -13,10 +13,11 @@ Nothing here imports torch at module load, so the config CLI stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,3 +152,17 @@ def prepare_megatron_imports(device: DeviceSpec) -> None:
             raise DeviceError(
                 f"the Ascend Megatron path needs {module} (package {package}): {e}"
             ) from None
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's CPU threads set to `threads` (0: unchanged) inside the block, restored after."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -12,7 +12,6 @@ args, plot)`. That writes `bench/results/<name>.json` (smoke runs: `bench/result
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import os
@@ -21,7 +20,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,17 +286,3 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads per process (0: torch's default); 1 keeps figures stable on a "
         "shared box, where OpenMP threads spin-waiting for descheduled peers collapse",
     )
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """torch's CPU threads set to `threads` (0: unchanged) inside the block, restored after."""
-    import torch
-
-    saved = torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)

@@ -34,6 +34,8 @@ from typing import Any
 
 from common import build_model_dir, finish, headline, make_parser, out_dir, print_table
 
+from asyncrl.device import torch_threads
+
 TARGET = 0.9
 FULL = dict(
     model=dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4),
@@ -226,16 +228,16 @@ def _median_run(runs: list[dict]) -> dict[str, Any]:
 def _rounds(sizes: dict, args: Any, rounds: int) -> list[dict[str, dict]]:
     """sync, async, async, sync, ... in one process (Ray starts once): the order alternates so
     drift in the machine's load and first-run effects hit both alike. One torch thread each."""
-    import torch
-
-    saved_env, saved_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    saved_env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # engine servers and Ray workers
-    torch.set_num_threads(args.threads)  # the learner, in this process
     modes = (("sync", 0), ("async", args.staleness))
     runs = out_dir(args) / "e2e_runs"  # each run's metrics.jsonl stays for inspection
     shutil.rmtree(runs, ignore_errors=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="asyncrl-bench-e2e-") as tmp:
+    try:  # torch_threads: the learner, in this process
+        with (
+            torch_threads(args.threads),
+            tempfile.TemporaryDirectory(prefix="asyncrl-bench-e2e-") as tmp,
+        ):
             model_dir = build_model_dir(Path(tmp) / "model", **sizes["model"])
             return [
                 {
@@ -245,7 +247,6 @@ def _rounds(sizes: dict, args: Any, rounds: int) -> list[dict[str, dict]]:
                 for i in range(rounds)
             ]
     finally:
-        torch.set_num_threads(saved_threads)
         if saved_env is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:

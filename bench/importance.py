@@ -39,12 +39,12 @@ from common import (
     print_table,
     strict_malloc,
     timed,
-    torch_threads,
 )
 
 from asyncrl.algo.importance import apply_rollout_is
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.algo.rejection import rejection_mask
+from asyncrl.device import torch_threads
 
 FULL_SHAPES = "256x4096,64x16384"
 SMOKE_SHAPES = "16x256"

@@ -37,8 +37,9 @@ from common import (
     make_parser,
     median,
     print_table,
-    torch_threads,
 )
+
+from asyncrl.device import torch_threads
 
 PROMPT_LEN = 32
 MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded size

@@ -88,6 +88,13 @@ def test_flatten_into_a_reused_staging_buffer_matches_a_fresh_one():
     assert staging.get(4, torch.device("cpu")).numel() == 4
 
 
+def test_staging_buffer_keeps_host_memory_across_syncs():
+    staging = StagingBuffer()
+    first = staging.get(64, torch.device("cpu"))
+    staging.finish()  # end of a sync: a host buffer stays for the next one
+    assert staging.get(32, torch.device("cpu")).data_ptr() == first.data_ptr()
+
+
 def test_auto_load_format_flattens_small_tensors_and_sends_large_ones_alone():
     from asyncrl.weights.sync import PER_TENSOR_MIN_BYTES, _bucket_format
 

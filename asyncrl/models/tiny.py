@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import ArithmeticTask, make_rows
+from asyncrl.device import torch_threads
 
 # Bump when a change here alters what gets built: it is part of the cache key.
 CODE_VERSION = 1
@@ -261,9 +262,7 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
     # One thread: at this size a second buys little, and on a busy box (Ray actors, servers)
     # spinning OpenMP threads made steps ~10x slower; it also keeps the result independent of
     # the machine's core count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for _ in range(spec.steps):
             pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
             batch = [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
@@ -274,8 +273,6 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
             sched.step()
             opt.zero_grad(set_to_none=True)
             loss = out.loss.item()
-    finally:
-        torch.set_num_threads(threads)
     model.eval()
     return loss
 

@@ -109,8 +109,7 @@ class WeightReceiver:
         with self.engine.step_lock, torch.no_grad():
             for name, t in zip(names, tensors):
                 self.params[name].copy_(t)
-        if device.type != "cpu":
-            self.staging.release()
+        self.staging.finish()
         return True, f"Succeeded to update {len(names)} parameters online."
 
     def _direct(self, names: list, dtypes: list, device: torch.device) -> list | None:

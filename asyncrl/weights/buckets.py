@@ -100,7 +100,7 @@ def flat_layout(
     offsets: list[int] = []
     offset = 0
     for dtype, shape in zip(dtypes, shapes, strict=True):
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         offset = -(-offset // itemsize) * itemsize  # round up: aligned views, no copies
         offsets.append(offset)
         numel = 1
@@ -144,7 +144,7 @@ class StagingBuffer:
 
     Host memory only pays off when kept: a fresh bucket-sized allocation is page-faulted in on
     every sync, which on a CPU costs about as much as the broadcast itself. On accelerators the
-    caching allocator already recycles blocks, so callers release it after each sync there.
+    caching allocator already recycles blocks, so `finish` frees it after each sync there.
     """
 
     def __init__(self) -> None:
@@ -161,6 +161,11 @@ class StagingBuffer:
     def release(self) -> None:
         self._buf = None
 
+    def finish(self) -> None:
+        """End of a sync: host memory is kept for the next one, accelerator memory is freed."""
+        if self._buf is not None and self._buf.device.type != "cpu":
+            self._buf = None
+
 
 def unflatten_bucket(
     buf: torch.Tensor, dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
@@ -171,7 +176,7 @@ def unflatten_bucket(
         raise BucketLayoutError(f"bucket buffer has {buf.numel()} bytes, layout needs {total}")
     out = []
     for dtype, shape, off in zip(dtypes, shapes, offsets):
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = 1
         for d in shape:
             numel *= d

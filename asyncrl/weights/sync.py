@@ -200,8 +200,7 @@ class WeightSender:
         except BucketLayoutError as e:  # raised before that bucket was announced: group intact
             raise WeightSyncError(f"cannot send weights for version {version}: {e}") from None
         finally:
-            if self._device.type != "cpu":  # see StagingBuffer: only host memory is kept
-                self._staging.release()
+            self._staging.finish()
         if nbuckets == 0:
             raise WeightSyncError(f"no tensors to send for version {version}")
         if pause_mode:
