@@ -4,8 +4,10 @@ A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
 - `learner.pt`: model, optimizer, scheduler, version (torch tensors; loaded with
   `weights_only=True`, so nothing but tensors and plain containers is unpickled),
 - `hf/`: the policy as a Hugging Face model directory (when `hf_model` or `model` is saved),
-- `extra.msgpack`: step, RNG states, data position, the replay queue's buffered groups and the
-  prompts in flight (re-issued on resume), as msgpack with numpy arrays as raw bytes.
+- `extra.msgpack`: step, RNG states, data position, the replay queue (its groups stored as the
+  wire codec's frames, `group_to_bytes`) and, once, the in-flight ledger (`outstanding`: the
+  prompts handed out and not delivered, re-issued first on resume), as msgpack with numpy
+  arrays as raw bytes.
 `latest` names the newest complete checkpoint; it is written last, so a crash mid-save leaves
 the previous checkpoint in force.
 """

@@ -44,15 +44,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
-    try:
-        from asyncrl.run import run
-    except ImportError:
-        print(
-            "asyncrl run: the training loop is not built yet in this version "
-            f"(config {path or '<embedded default>'} is valid).",
-            file=sys.stderr,
-        )
-        return 3
+    from asyncrl.run import run
+
     run(cfg)
     return 0
 
@@ -75,22 +68,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     assert spec.loader is not None
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
-    result = module.main(_bench_argv(args.what, script, args.rest))
+    result = module.main(args.rest)
     return result if isinstance(result, int) else 0  # some benches return their result dict
-
-
-# Benches whose flags predate the shared `--smoke` (CI sizes), and what it means for them.
-LEGACY_SMOKE_FLAGS = {
-    "codec-choice": ["--quick"],
-}
-
-
-def _bench_argv(what: str, script: Path, rest: list[str]) -> list[str]:
-    legacy = LEGACY_SMOKE_FLAGS.get(what)
-    if "--smoke" not in rest or legacy is None or "--smoke" in script.read_text():
-        return rest
-    smoke = str(script.parent / "results" / "smoke")
-    return [a.format(smoke=smoke) for a in legacy] + [a for a in rest if a != "--smoke"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,41 +1,45 @@
 """The training loop, top to bottom. Synchronous training is `async.max_staleness: 0` of it.
 
-Rollout actors generate continuously (the dispatcher feeds them prompts within the replay
+Rollout workers generate continuously (the dispatcher feeds them prompts within the replay
 queue's admission capacity) and push groups over ZMQ into the queue; this loop takes a batch
 no staler than the bound, updates the policy, broadcasts the weights and opens capacity for the
 next version. With max_staleness 0 the capacity rule admits exactly one batch per version, and
 generation for version v+1 starts only after the weights of v+1 reach the engines.
+`start_rollout` lists every thread and process a run starts, in order.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
+from asyncrl.checkpoint import Checkpointer
 from asyncrl.config import Config, derive_plan, to_dict
+from asyncrl.data.prompts import PromptSource
+from asyncrl.learner.base import Learner, make_learner
+from asyncrl.metrics import MetricsLogger
+from asyncrl.metrics.batch import BatchMetrics, TrainedGroupLog
+from asyncrl.orchestrator import Orchestrator, resolve_model
+from asyncrl.replay.filters import dapo_zero_variance
+from asyncrl.replay.queue import ReplayConfig, ReplayQueue
+from asyncrl.rollout.evaluation import Evaluator
+from asyncrl.rollout.settings import RolloutSettings
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    from asyncrl.checkpoint import Checkpointer
-    from asyncrl.learner.base import make_learner
-    from asyncrl.metrics import MetricsLogger
-    from asyncrl.replay.filters import dapo_zero_variance
-    from asyncrl.replay.queue import ReplayConfig, ReplayQueue
-    from asyncrl.rollout.cluster import RolloutCluster, resolve_model
-    from asyncrl.rollout.prompts import PromptSource
-
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(cfg.actor_train.model_args)
     plan = derive_plan(cfg)
     prompts = PromptSource(cfg, model_dir)
-    gen = cfg.actor_infer.generating_args
     learner = make_learner(
         cfg.actor_train.strategy_args.strategy_name, world_size=plan.world_size,
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
-        temperature=gen.temperature, total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout,
-        seed=cfg.seed,
+        temperature=cfg.actor_infer.generating_args.temperature,
+        total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
     )  # fmt: skip
     filters = (dapo_zero_variance,) if cfg.algorithm.filter_zero_variance_groups else ()
     queue = ReplayQueue(
@@ -46,28 +50,103 @@ def run(cfg: Config) -> dict[str, Any]:
     logger = MetricsLogger(
         out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=bool(resumed)
     )
-    with logger, RolloutCluster(cfg, model_dir, queue, prompts, learner) as cluster:
-        cluster.restore(resumed.get("outstanding", []))
+    audit, batch_metrics = TrainedGroupLog(out), BatchMetrics()
+    with logger, closing(learner), ExitStack() as stack:
+        rollout, evaluator = start_rollout(stack, cfg, model_dir, queue, prompts, learner)
         step = resumed.get("step", 0)
-        logger.log(step, cluster.evaluate(step, learner.version))
+        logger.log(step, evaluator.maybe(step, learner))
         while step < cfg.max_steps:
             waited = time.perf_counter()
-            groups = cluster.take_batch(cfg.rollout_batch_size, learner.version)
+            groups = rollout.take_batch(cfg.rollout_batch_size, learner.version)
             idle = time.perf_counter() - waited
             metrics = learner.step(groups)
             step += 1
-            cluster.record_trained(step, groups)
+            audit.append(step, groups)
             if learner.version % cfg.async_.sync_interval == 0 or step == cfg.max_steps:
-                metrics.update(cluster.sync_weights(learner))
+                metrics.update(rollout.sync_weights())
             queue.set_version(learner.version)  # opens admission for the next version
-            metrics.update(cluster.batch_metrics(groups, learner.version, idle, waited))
-            metrics.update(cluster.evaluate(step, learner.version))
+            metrics.update(batch_metrics(groups, learner.version, idle))
+            metrics.update(rollout.metrics() | evaluator.metrics())
+            metrics.update(evaluator.maybe(step, learner))
             logger.log(step, metrics)
             if ckpt_due(cfg, step):
-                ckpt.save(step, learner, cluster.extra_state(prompts, step), prompts.tokenizer)
-    if hasattr(learner, "close"):
-        learner.close()
+                state = {"prompts": prompts.state_dict(), **rollout.state_dict()}
+                ckpt.save(step, learner, {**state, "version": learner.version}, prompts.tokenizer)
     return logger.close()
+
+
+def start_rollout(
+    stack: ExitStack,
+    cfg: Config,
+    model_dir: Path,
+    queue: ReplayQueue,
+    prompts: PromptSource,
+    learner: Learner,
+) -> tuple[Orchestrator, Evaluator]:
+    """Every thread and process of the rollout side, in start order; `stack` stops them in
+    reverse (a stop that fails is reported and the others still run)."""
+    from asyncrl.engine.fleet import EngineFleet
+    from asyncrl.net import AsyncRunner
+    from asyncrl.orchestrator import GroupPump
+    from asyncrl.rollout.dispatch import Dispatcher
+    from asyncrl.rollout.ray_pool import RayWorkerPool
+    from asyncrl.transport.zmq import Receiver, ReceiverConfig
+
+    ro = cfg.rollout
+    runner = AsyncRunner()  # thread: the control plane's event loop (health, sync, eval)
+    _stop_later(stack, runner.close)
+    receiver = Receiver(ReceiverConfig(host=ro.transport_host, port=ro.transport_port))
+    _stop_later(stack, receiver.close)  # a ZMQ PULL socket, read by the pump below
+    fleet = EngineFleet(
+        cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, model_dir, Path(cfg.output_dir),
+        seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
+    )  # fmt: skip
+    _stop_later(stack, fleet.stop)
+    fleet.start(learner)  # processes: engine servers (+ router); weights of the learner's version
+
+    def settings(index: int) -> RolloutSettings:
+        return rollout_settings(cfg, model_dir, fleet.urls_for_worker(index), receiver.port)
+
+    pool = RayWorkerPool(settings, ro.num_actors)  # processes: Ray actors, the rollout workers
+    _stop_later(stack, pool.close)
+    dispatcher = Dispatcher(pool, queue, prompts.next_item, ro.max_inflight_prompts)
+    _stop_later(stack, dispatcher.start().stop)  # thread: prompts → rollout workers
+    pump = GroupPump(receiver, queue)
+    _stop_later(stack, pump.__enter__().__exit__)  # thread: receiver → replay queue
+    _stop_later(stack, queue.close)  # first to run at exit: wakes a blocked take
+    heldout = prompts.heldout_items(cfg.logging.eval_size)
+    evaluator = Evaluator(cfg.logging, cfg.max_steps, heldout, settings(0), fleet)
+    return Orchestrator(ro, fleet, dispatcher, pump, queue, learner), evaluator
+
+
+def rollout_settings(
+    cfg: Config, model_dir: Path, engine_urls: list[str], transport_port: int = 0
+) -> RolloutSettings:
+    """A rollout worker's own sub-config: the run config's sections, passed whole."""
+    host = cfg.rollout.transport_host
+    return RolloutSettings(
+        engine_urls=engine_urls,
+        transport_host="127.0.0.1" if host in ("0.0.0.0", "*") else host,
+        transport_port=transport_port,
+        tokenizer_path=str(model_dir),
+        generating=cfg.actor_infer.generating_args,
+        rollout=cfg.rollout,
+        algorithm=cfg.algorithm,
+        env=cfg.env,
+        n=cfg.num_return_sequences_in_group,
+        response_length=cfg.response_length,
+        seed=cfg.seed,
+    )
+
+
+def _stop_later(stack: ExitStack, stop: Callable[[], object]) -> None:
+    def best_effort(*_: object) -> None:
+        try:
+            stop()
+        except Exception as e:  # noqa: BLE001 - shutdown is best effort, report and go on
+            print(f"asyncrl: shutdown: {type(e).__name__}: {e}")
+
+    stack.callback(best_effort)
 
 
 def ckpt_due(cfg: Config, step: int) -> bool:
@@ -75,8 +154,11 @@ def ckpt_due(cfg: Config, step: int) -> bool:
     return step == cfg.max_steps or (interval > 0 and step % interval == 0)
 
 
-def resume(ckpt: Any, cfg: Config, learner: Any, queue: Any, prompts: Any) -> dict[str, Any]:
-    """Restore learner, data position, queue contents and prompts in flight (re-issued)."""
+def resume(
+    ckpt: Checkpointer, cfg: Config, learner: Learner, queue: ReplayQueue, prompts: PromptSource
+) -> dict[str, Any]:
+    """Restore learner, data position, queue contents and the in-flight ledger (its prompts
+    are re-issued first)."""
     path = ckpt.find(cfg.actor.checkpoint.resume)
     if path is None:
         return {}
@@ -84,7 +166,8 @@ def resume(ckpt: Any, cfg: Config, learner: Any, queue: Any, prompts: Any) -> di
     extra = ckpt.load(path, learner, contents)
     if extra:
         prompts.load_state_dict(extra["prompts"])
-        queue.load_state_dict(extra["queue"])
+        # the ledger is stored once, as `outstanding`; loaded now so admission counts it
+        queue.load_state_dict({**extra["queue"], "outstanding": extra.get("outstanding", [])})
     queue.set_version(learner.version)
     print(
         f"asyncrl: resumed from {path} at step {extra.get('step', '?')}, version {learner.version}"

@@ -1,4 +1,4 @@
-"""Wire records: what a trajectory is while it travels from a rollout actor to the learner.
+"""Wire records: what a trajectory is while it travels from a rollout worker to the learner.
 
 Every record here is plain data (numpy arrays, str, int, float) so the codec can move it without
 pickle. A `TrajectoryGroup` stores its n responses *flat*: the responses' tokens are concatenated
@@ -49,7 +49,7 @@ ARRAY_FIELDS: tuple[tuple[str, type], ...] = (
 
 @dataclass(eq=False)
 class TrajectoryGroup:
-    """The n responses of one prompt, as the rollout actor produced them.
+    """The n responses of one prompt, as the rollout worker produced them.
 
     Invariants (checked on construction): every token field has length sum(response_lengths);
     token ids are >= 0; `loss_mask` is 0/1 and is 0 on environment and tool tokens; `versions`

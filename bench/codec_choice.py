@@ -6,7 +6,7 @@ plus the structural validation the decoder needs (msgspec validates against the 
 C; with `msgpack` the same checks run in Python after `unpackb`). Writes
 bench/results/codec_choice.json.
 
-    python bench/codec_choice.py [--quick]
+    python bench/codec_choice.py [--quick | --smoke]
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def measure(tokens: int, number: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--smoke", action="store_true", help="CI size (= --quick)")
     args = parser.parse_args(argv)
-    number = 5_000 if args.quick else 50_000
+    number = 5_000 if args.quick or args.smoke else 50_000
     rows = {f"{k}k": measure(k * 1024, number) for k in (1, 4, 16)}
     mp = sum(r["msgpack_roundtrip_us"] for r in rows.values())
     ms = sum(r["msgspec_roundtrip_us"] for r in rows.values())

@@ -97,7 +97,7 @@ def _engine_pids() -> list[int]:
             except OSError:
                 continue
             # fields after the name: state, ppid, ...; only this process's own engines count
-            if b"asyncrl.rollout.hf_server" in cmd and int(stat[1]) == os.getpid():
+            if b"asyncrl.engine.hf.server" in cmd and int(stat[1]) == os.getpid():
                 pids.append(int(entry.name))
     return pids
 

@@ -41,7 +41,7 @@ from common import (
     timed,
 )
 
-from asyncrl.algo.importance import apply_rollout_is
+from asyncrl.algo.importance import RolloutIS, apply_rollout_is
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.algo.rejection import rejection_mask
 from asyncrl.device import torch_threads
@@ -79,16 +79,23 @@ def make_inputs(batch: int, seq: int, device: torch.device, seed: int = 0) -> In
     )
 
 
-def _is(x: Inputs, level: str, mode: str) -> Any:
-    return apply_rollout_is(
-        x.old, x.rollout, x.mask, rollout_is_level=level, rollout_is_mode=mode,
-        rollout_is_threshold=2.0, rollout_is_veto_threshold=1e-4,
-    )  # fmt: skip
+def _settings(level: str, mode: str) -> RolloutIS:
+    """The config defaults (threshold 2, veto 1e-4) at one level and mode."""
+    return RolloutIS(level=level, mode=mode, threshold=2.0, veto_threshold=1e-4)
+
+
+TOKEN_TRUNCATE = _settings("token", "truncate")
+SEQUENCE_TRUNCATE = _settings("sequence", "truncate")
+GEOMETRIC_CLIP = _settings("geometric", "clip")
+
+
+def _is(x: Inputs, settings: RolloutIS) -> Any:
+    return apply_rollout_is(x.old, x.rollout, x.mask, settings)
 
 
 def operations(x: Inputs) -> dict[str, Callable[[], Any]]:
     loss_fn = get_policy_loss("vanilla")
-    weights, _ = _is(x, "token", "truncate")
+    weights, _ = _is(x, TOKEN_TRUNCATE)
 
     def loss_fwd_bwd() -> None:
         x.log_prob.grad = None
@@ -96,14 +103,14 @@ def operations(x: Inputs) -> dict[str, Callable[[], Any]]:
         loss.backward()
 
     def learner_prepare() -> None:  # IS + RS + metrics, as `TorchLearner._prepare` runs them
-        _is(x, "token", "truncate")
+        _is(x, TOKEN_TRUNCATE)
         rejection_mask(x.old, x.rollout, x.mask, RS_CRITERIA)
 
     return {
         "bare weights": lambda: torch.exp((x.old - x.rollout).clamp(-20, 20)).clamp(max=2) * x.mask,
-        "IS token/truncate": lambda: _is(x, "token", "truncate"),
-        "IS sequence/truncate": lambda: _is(x, "sequence", "truncate"),
-        "IS geometric/clip": lambda: _is(x, "geometric", "clip"),
+        "IS token/truncate": lambda: _is(x, TOKEN_TRUNCATE),
+        "IS sequence/truncate": lambda: _is(x, SEQUENCE_TRUNCATE),
+        "IS geometric/clip": lambda: _is(x, GEOMETRIC_CLIP),
         "RS 3 criteria": lambda: rejection_mask(x.old, x.rollout, x.mask, RS_CRITERIA),
         "IS + RS + metrics": learner_prepare,
         "policy loss fwd+bwd": loss_fwd_bwd,

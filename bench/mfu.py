@@ -31,7 +31,7 @@ SMOKE_MODEL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_head
 
 def make_learner(model_dir: Path, args: Any) -> Any:
     from asyncrl.config import load_config
-    from asyncrl.learner.megatron import MegatronLearner
+    from asyncrl.learner.megatron.learner import MegatronLearner
 
     cfg = load_config(None, [
         "actor_train.strategy_args.strategy_name=megatron_train",

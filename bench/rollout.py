@@ -52,7 +52,7 @@ def _prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 async def engine_run(url: str, prompts: list[list[int]], length: int, repeats: int) -> float:
     """Median seconds to generate `length` tokens for every prompt through the client."""
-    from asyncrl.rollout.client import EngineClient
+    from asyncrl.engine.client import EngineClient
 
     params = {"max_new_tokens": length, "temperature": 1.0, "ignore_eos": True}
     requests = [{"input_ids": p, "sampling_params": params} for p in prompts]
@@ -124,7 +124,8 @@ def launch_sglang(model_dir: Path, port: int, timeout_s: float = 600) -> subproc
 def run_all(model_dir: Path, batches, lengths, repeats: int, threads: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.rollout.hf_launch import free_port, launch_hf_server
+    from asyncrl.engine.hf.launch import launch_hf_server
+    from asyncrl.net import free_port
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()

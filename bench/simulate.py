@@ -1,8 +1,8 @@
 """Cluster simulation: the real orchestration driven by simulated engines and a simulated learner.
 
-Real: the `ReplayQueue` (admission control, staleness eviction), the `Dispatcher` (prompt
-ledger, per-actor in-flight slots), the codec and the ZMQ transport (one `Sender` per actor,
-one `Receiver`, a pump into the queue, as `RolloutCluster` runs it). Simulated: engines and
+Real: the `ReplayQueue` (admission with the in-flight ledger, staleness eviction), the
+`Dispatcher` (per-actor in-flight slots, re-issues), the codec and the ZMQ transport (one `Sender` per actor,
+one `Receiver`, a pump into the queue, as `run.py` starts them). Simulated: engines and
 learner. Each of 8 ... 256 actors (asyncio tasks, no Ray) generates up to `--inflight` prompts
 at a time; a group of n responses takes ttft + max(response length) x tpot, lengths drawn from
 a long-tailed log-normal; the finished group (real arrays, tagged with the policy version
@@ -40,9 +40,11 @@ import numpy as np
 import zmq
 from common import finish, headline, make_parser, print_table
 
+from asyncrl.data.prompts import PromptItem
+from asyncrl.orchestrator import GroupPump
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
-from asyncrl.rollout.actor import PromptItem, PromptResult
 from asyncrl.rollout.dispatch import Dispatcher
+from asyncrl.rollout.settings import PromptResult
 from asyncrl.transport.zmq import Receiver, ReceiverConfig, Sender, SenderConfig
 from asyncrl.types import TrajectoryGroup
 
@@ -75,7 +77,7 @@ class Workload:
 
 
 class SimPool:
-    """The dispatcher's `ActorPool`: simulated actors as tasks on one event-loop thread."""
+    """The dispatcher's `WorkerPool`: simulated actors as tasks on one event-loop thread."""
 
     def __init__(self, actors: int, cal: Calibration, work: Workload, port: int, seed: int):
         self.actors, self.cal, self.work = actors, cal, work
@@ -182,36 +184,20 @@ def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> di
     counter = itertools.count()
     next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=[0])  # noqa: E731
     dispatcher = Dispatcher(pool, replay, next_prompt, work.inflight)
-    stop = threading.Event()
-    pump = threading.Thread(target=_pump, args=(receiver, replay, stop), daemon=True)
-    pump.start()
+    pump = GroupPump(receiver, replay).__enter__()  # the run's own pump thread
     dispatcher.start()
     # the pump thread also receives and decodes: Receiver.get does both in its caller's thread
-    threads = {"dispatcher": dispatcher._thread.native_id, "pump": pump.native_id,
+    threads = {"dispatcher": dispatcher._thread.native_id, "pump": pump._thread.native_id,
                "actors": pool.thread.native_id, "learner": threading.get_native_id()}  # fmt: skip
     try:
         steps = _learn(replay, pool, dispatcher, receiver, cal, work, threads)
     finally:
-        stop.set()
         replay.close()
         dispatcher.stop()
         pool.close()
-        pump.join(timeout=5)
+        pump.__exit__()
         receiver.close()
     return _summarise(actors, steps, replay.metrics(), work)
-
-
-def _pump(receiver: Receiver, replay: ReplayQueue, stop: threading.Event) -> None:
-    from asyncrl.transport.zmq import TransportTimeout
-
-    while not stop.is_set():
-        try:
-            group = receiver.get(timeout_s=0.1)
-        except TransportTimeout:
-            continue
-        except Exception:  # noqa: BLE001 - receiver closed at shutdown
-            return
-        replay.put(group, prompt_key=group.metadata.get("prompt_key"))
 
 
 def _learn(replay, pool, dispatcher, receiver, cal, work, threads) -> list[dict[str, Any]]:

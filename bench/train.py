@@ -66,7 +66,7 @@ def make_groups(groups: int, n: int, resp_len: int, vocab: int, seed: int = 0) -
 
 def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str):
     from asyncrl.config import load_config
-    from asyncrl.learner.torch_learner import TorchLearner
+    from asyncrl.learner.torch.learner import TorchLearner
 
     cfg = load_config(None, [
         f"algorithm.correction_mode={mode}", f"actor_train.model_args.dtype={dtype}",

@@ -93,7 +93,7 @@ def _now(kind: str) -> float:
 
 class RawPair:
     def __init__(self, kind: str) -> None:
-        from asyncrl.rollout.hf_launch import free_port
+        from asyncrl.net import free_port
 
         port, env = free_port(), {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
         cmd = [sys.executable, os.path.abspath(__file__), "--_raw"]
@@ -126,7 +126,7 @@ FORMATS = {"flattened": "flattened_bucket", "per-tensor": None}  # label -> load
 
 
 async def _measure(url: str, named, sizes_mb: list[float], repeats: int, kind: str) -> list[dict]:
-    from asyncrl.rollout.client import EngineClient
+    from asyncrl.engine.client import EngineClient
     from asyncrl.weights.sync import WeightSender
 
     client, sender = EngineClient(url), WeightSender(timeout_s=300)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(model_dir: Path, sizes_mb: list[float], repeats: int, kind: str) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.rollout.hf_launch import launch_hf_server
+    from asyncrl.engine.hf.launch import launch_hf_server
 
     device = "cuda:0" if kind == "nccl" else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)

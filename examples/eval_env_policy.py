@@ -15,11 +15,11 @@ import asyncio
 import json
 
 from asyncrl.config import load_config
-from asyncrl.rollout.actor import PromptItem
-from asyncrl.rollout.client import launch_hf_server
-from asyncrl.rollout.cluster import actor_settings
-from asyncrl.rollout.episode_metrics import episode_metrics
+from asyncrl.data.prompts import PromptItem
+from asyncrl.engine.hf.launch import launch_hf_server
+from asyncrl.metrics.episodes import episode_metrics
 from asyncrl.rollout.multiturn import EpisodeBuilder
+from asyncrl.run import rollout_settings
 
 
 async def evaluate(builder: EpisodeBuilder, seeds: list[int]) -> dict[str, float]:
@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config, [f"actor_infer.generating_args.temperature={args.temperature}"])
     with launch_hf_server(args.model_dir, dtype="fp32", seed=cfg.seed) as server:
-        settings = actor_settings(cfg, args.model_dir, [server.url], "127.0.0.1", 0)
+        settings = rollout_settings(cfg, args.model_dir, [server.url])
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
         metrics = asyncio.run(evaluate(EpisodeBuilder(settings), seeds))
     keys = ("env/episodes", "env/return_mean", "env/solved_frac", "env/turns_mean")

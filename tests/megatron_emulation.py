@@ -74,7 +74,7 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     import test_megatron_gpu as g
 
     from asyncrl.device import SPECS
-    from asyncrl.learner.megatron_worker import MegatronWorker
+    from asyncrl.learner.megatron.worker import MegatronWorker
 
     _, cfg = g.configs(setup["tp"], "[0,1]")
     cfg.actor_train.strategy_args.strategy_config.update(
@@ -115,8 +115,8 @@ def main() -> None:
     import test_megatron_gpu as g
 
     from asyncrl.learner.logprobs import token_logprobs
-    from asyncrl.learner.torch_learner import TorchLearner
-    from asyncrl.rollout.hf_launch import free_port
+    from asyncrl.learner.torch.learner import TorchLearner
+    from asyncrl.net import free_port
     from asyncrl.types import collate
 
     src, out_json, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

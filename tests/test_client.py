@@ -11,14 +11,14 @@ import json
 import pytest
 from aiohttp import web
 
-from asyncrl.rollout.client import (
+from asyncrl.engine.client import (
     EngineClient,
     EngineError,
     EngineReplyError,
     EngineTimeoutError,
     GenerateRequest,
-    free_port,
 )
+from asyncrl.net import free_port
 
 GOOD = {
     "text": "",
@@ -200,7 +200,7 @@ def test_control_calls_and_success_flags():
 
 
 def test_per_token_versions_extension_is_parsed_and_checked():
-    from asyncrl.rollout.client import EngineReplyError, parse_completion
+    from asyncrl.engine.client import EngineReplyError, parse_completion
 
     meta = {
         "finish_reason": {"type": "length"},

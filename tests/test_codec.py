@@ -227,6 +227,17 @@ def test_header_mutations_raise_decode_error(mutate: object, match: str) -> None
         decode_group(_reencode(frames, header))
 
 
+def test_reused_frame_of_the_right_size_is_named() -> None:
+    # response_ids (int32) and rollout_logprobs (float32) have the same byte size, so every
+    # per-array check passes and only the frames-used-once rule refuses the message.
+    frames = encode_group(make_group())
+    header = _header(frames)
+    header[2]["rollout_logprobs"][3] = header[2]["response_ids"][3]
+    frame = header[2]["response_ids"][3]
+    with pytest.raises(DecodeError, match=f"'rollout_logprobs': frame {frame} is missing or used"):
+        decode_group(_reencode(frames, header))
+
+
 def test_record_error_is_wrapped() -> None:
     g = make_group(n=2)
     frames = encode_group(g)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.learner.distributed import DistributedTorchLearner
+from asyncrl.learner.torch.distributed import DistributedTorchLearner
 from tests.test_torch_learner import _groups, _learner
 
 

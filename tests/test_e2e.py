@@ -64,12 +64,12 @@ def _reference_run(cfg, model_dir, steps):
     dispatcher: generate a batch, train on it, push the weights, repeat."""
     import asyncio
 
-    from asyncrl.learner.torch_learner import TorchLearner
-    from asyncrl.rollout.actor import GroupBuilder
-    from asyncrl.rollout.client import EngineClient
-    from asyncrl.rollout.cluster import actor_settings
-    from asyncrl.rollout.hf_launch import launch_hf_server
-    from asyncrl.rollout.prompts import PromptSource
+    from asyncrl.data.prompts import PromptSource
+    from asyncrl.engine.client import EngineClient
+    from asyncrl.engine.hf.launch import launch_hf_server
+    from asyncrl.learner.torch.learner import TorchLearner
+    from asyncrl.rollout.single_turn import GroupBuilder
+    from asyncrl.run import rollout_settings
     from asyncrl.weights.sync import WeightSender
 
     gen = cfg.actor_infer.generating_args
@@ -83,7 +83,7 @@ def _reference_run(cfg, model_dir, steps):
         client, sender = EngineClient(url), WeightSender()
         await sender.init_group([client])
         await sender.sync(learner.weights_for_sync(), learner.version)
-        builder = GroupBuilder(actor_settings(cfg, model_dir, [url], "127.0.0.1", 0))
+        builder = GroupBuilder(rollout_settings(cfg, model_dir, [url]))
         for _ in range(steps):
             items = [source.next_item() for _ in range(cfg.rollout_batch_size)]
             groups = await asyncio.gather(*(builder.build(it) for it in items))

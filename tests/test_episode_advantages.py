@@ -13,7 +13,7 @@ from asyncrl.algo.episode import (
     trajectory_advantages,
 )
 from asyncrl.config import ConfigError, load_config, validate
-from asyncrl.rollout.episode_metrics import episode_metrics
+from asyncrl.metrics.episodes import episode_metrics
 
 
 def test_episode_return_modes():
@@ -98,7 +98,7 @@ def test_episode_metrics_from_group_metadata():
 
 
 def test_env_run_prompts_are_seeds_and_a_bad_env_config_fails_at_start():
-    from asyncrl.rollout.env_prompts import seed_rows
+    from asyncrl.data.env_prompts import seed_rows
 
     env = load_config(None, ["env.name=guess_number", "env.num_seeds=3", "env.seed_offset=7"]).env
     assert seed_rows(env) == [{"env_seed": 7}, {"env_seed": 8}, {"env_seed": 9}]

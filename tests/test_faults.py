@@ -12,6 +12,7 @@ import time
 
 from asyncrl.checkpoint import load_msgpack
 from asyncrl.run import run
+from asyncrl.transport.stored import group_from_bytes
 from tests.test_e2e import shrunk
 
 
@@ -19,6 +20,11 @@ def _pids(pattern: str, parent: int | None = None) -> list[int]:
     cmd = ["pgrep", "-f", pattern] + (["-P", str(parent)] if parent else [])
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def _buffered_ids(extra: dict) -> list[str]:
+    """Ids of the groups a checkpoint's replay queue held (stored as wire frames)."""
+    return [group_from_bytes(g).group_id for g in extra["queue"]["groups"]]
 
 
 def _rows(path):
@@ -34,8 +40,8 @@ def test_kill_engine_and_actor_mid_run(tiny_model, tmp_path):
     while len(_rows(tmp_path / "trained_groups.jsonl")) < 2:
         assert time.monotonic() < deadline and thread.is_alive(), "run did not get going"
         time.sleep(0.2)
-    engines = _pids("asyncrl.rollout.hf_server", parent=os.getpid())
-    actors = _pids("_RayRolloutActor")
+    engines = _pids("asyncrl.engine.hf.server", parent=os.getpid())
+    actors = _pids("_RayRolloutWorker")
     assert engines and actors
     os.kill(engines[0], signal.SIGKILL)
     os.kill(actors[0], signal.SIGKILL)
@@ -51,7 +57,7 @@ def test_kill_engine_and_actor_mid_run(tiny_model, tmp_path):
     assert len(trained) == len(set(trained)), "a group was trained twice"
     extra = load_msgpack(tmp_path / "checkpoints" / "step_8" / "extra.msgpack")
     issued = {f"e0-i{i}" for i in range(extra["prompts"]["index"])}
-    buffered = {g["group_id"] for g in extra["queue"]["groups"]}
+    buffered = set(_buffered_ids(extra))
     outstanding = {item["key"] for item in extra["outstanding"]}
     evicted = set(extra["queue"].get("evicted_ids", []))
     lost = issued - set(trained) - buffered - outstanding - evicted

@@ -14,16 +14,24 @@ import time
 import pytest
 import torch
 
-from asyncrl.rollout.client import (
+from asyncrl.engine.client import (
     EngineClient,
     EngineTimeoutError,
     GenerateRequest,
-    launch_hf_server,
 )
+from asyncrl.engine.hf.launch import launch_hf_server
 from tests.helpers import random_qwen2
 
 EOS = 1
-LONG = 400  # tokens (>= ~1.5 ms each on any CPU): a pause 0.2 s in lands mid-generation
+PROMPT = [3, 4, 5]
+# Requests that must still be running when a pause/flush/hang-up reaches the server are LONG
+# tokens and are acted on as soon as /get_load shows MIN_TOKENS sampled: ~2000 decode steps are
+# then left, while a control call acts within one step of reaching the server (the engine's
+# step_lock lets it go first). So they are mid-generation by construction, not by a clock;
+# where it matters the state is checked through the server. PROMPT + LONG < context (2048).
+LONG = 2000
+MIN_TOKENS = 4
+HANG_UP_S = 2.0  # the impatient client's timeout: only has to outlast the request's admission
 
 
 def make_tiny_model(path, seed: int = 0):
@@ -52,6 +60,39 @@ def run(coro):
 async def _with_client(url, fn):
     async with EngineClient(url, timeout=60, control_timeout=30) as c:
         return await fn(c)
+
+
+async def get_load(c: EngineClient) -> dict:
+    """The server's own account of its requests (SGLang's /get_load; one DP rank here)."""
+    status, data = await c._call("GET", "/get_load")
+    assert status == 200 and isinstance(data, list) and len(data) == 1, data
+    return data[0]
+
+
+async def wait_for_load(c, pred, what: str, task=None, timeout_s: float = 30.0) -> dict:
+    """Poll /get_load until `pred(load)`; fail at the deadline, or at once if `task` ends."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await get_load(c)
+        if pred(load):
+            return load
+        if task is not None and task.done():
+            raise AssertionError(f"the request ended before {what}: {task.result()}")
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s; /get_load: {load}"
+        await asyncio.sleep(0.005)
+
+
+def running_with(tokens: int):
+    """One request running (not waiting) that holds at least `tokens` (prompt + output)."""
+    return lambda load: (
+        load["num_reqs"] - load["num_waiting_reqs"] == 1 and (load["num_tokens"] >= tokens)
+    )
+
+
+async def wait_mid_generation(c, task) -> dict:
+    return await wait_for_load(
+        c, running_with(len(PROMPT) + MIN_TOKENS), "the request ran mid-generation", task
+    )
 
 
 def reference_logprobs(model, prompt, output, temperature):
@@ -124,8 +165,8 @@ def test_determinism(server, tiny):
     a = run(_with_client(server.url, lambda c: c.generate([greedy, seeded, greedy, seeded])))
     assert a[0].output_ids == a[2].output_ids and a[1].output_ids == a[3].output_ids
     # Same server seed -> the same first sampled request, with no sampling_seed given.
-    from asyncrl.rollout.hf_batch import SamplingParams, Seq
-    from asyncrl.rollout.hf_engine import HFEngine
+    from asyncrl.engine.hf.batch import SamplingParams, Seq
+    from asyncrl.engine.hf.engine import HFEngine
 
     outs = []
     for _ in range(2):
@@ -141,22 +182,33 @@ def test_determinism(server, tiny):
 
 
 async def _pause_during(c, mode, n=LONG):
-    req = GenerateRequest([3, 4, 5], {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
+    req = GenerateRequest(PROMPT, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True})
     task = asyncio.create_task(c.generate_one(req))
-    await asyncio.sleep(0.2)
-    assert not task.done(), "request finished before the pause: make LONG bigger"
+    await wait_mid_generation(c, task)
     await c.pause(mode)
-    flushed_while_paused = await c.flush_cache()
-    queued = asyncio.create_task(c.generate_one(GenerateRequest([6], {"max_new_tokens": 3})))
-    await asyncio.sleep(0.3)
-    assert not queued.done(), "a request ran while the engine was paused"
-    if mode == "abort":
-        out = await asyncio.wait_for(task, 5)  # aborted requests answer at once
+    try:
+        held = await get_load(c)  # the pause caught it mid-generation (abort: see its answer)
+        if mode == "retract":  # back at the head of the queue, its KV dropped
+            assert held == {"dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": 0}
+        elif mode == "in_place":  # still in the running batch, its KV kept
+            assert held["num_reqs"] == 1 and held["num_waiting_reqs"] == 0
+            assert len(PROMPT) + MIN_TOKENS <= held["num_tokens"] < len(PROMPT) + n
+        flushed_while_paused = await c.flush_cache()
+        queued = asyncio.create_task(c.generate_one(GenerateRequest([6], {"max_new_tokens": 3})))
+        waiting = held["num_waiting_reqs"] + 1
+        paused = await wait_for_load(
+            c, lambda load: load["num_waiting_reqs"] == waiting, "the new request queued", queued
+        )
+        await asyncio.sleep(0.2)  # a short window to see that nothing happens while paused
+        assert not queued.done(), "a request ran while the engine was paused"
+        assert await get_load(c) == paused, "the engine stepped while paused"
+        if mode == "abort":
+            out = await asyncio.wait_for(task, 5)  # aborted requests answer at once
+        else:
+            assert not task.done()
+    finally:
         await c.resume()
-    else:
-        await asyncio.sleep(0.2)
-        assert not task.done()
-        await c.resume()
+    if mode != "abort":
         out = await task
     assert (await queued).finish_reason == "length"
     return out, flushed_while_paused
@@ -166,7 +218,7 @@ def test_pause_abort(server, tiny):
     out, flushed = run(_with_client(server.url, lambda c: _pause_during(c, "abort")))
     assert out.finish_reason == "abort" and 0 < len(out.output_ids) < LONG
     assert flushed  # nothing running after an abort
-    assert_logprobs_match(tiny[1], [3, 4, 5], out, 1.0)
+    assert_logprobs_match(tiny[1], PROMPT, out, 1.0)
 
 
 @pytest.mark.parametrize("mode,flush_ok", [("retract", True), ("in_place", False)])
@@ -175,22 +227,25 @@ def test_pause_retract_and_in_place(server, tiny, mode, flush_ok):
     # retract freed the KV (flush allowed); in_place keeps it (flush refused, as SGLang)
     assert flushed is flush_ok
     assert out.finish_reason == "length" and len(out.output_ids) == LONG
-    assert_logprobs_match(tiny[1], [3, 4, 5], out, 1.0, atol=5e-4)
+    assert_logprobs_match(tiny[1], PROMPT, out, 1.0, atol=5e-4)
 
 
 def test_in_place_pause_stops_stepping(tiny):
-    from asyncrl.rollout.hf_batch import SamplingParams, Seq
-    from asyncrl.rollout.hf_engine import HFEngine
+    from asyncrl.engine.hf.batch import SamplingParams, Seq
+    from asyncrl.engine.hf.engine import HFEngine
 
     engine = HFEngine(tiny[1], max_batch_size=2)
     engine.start()
     done = threading.Event()
     seq = Seq("r", [3], SamplingParams(LONG, ignore_eos=True), lambda s: done.set())
     engine.submit(seq)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while len(seq.output_ids) < MIN_TOKENS:  # mid-generation: LONG - MIN_TOKENS steps left
+        assert time.monotonic() < deadline and not done.is_set()
+        time.sleep(0.001)
     engine.pause("in_place")
     n = len(seq.output_ids)
-    time.sleep(0.3)
+    time.sleep(0.2)  # a short window to see that no step happens while paused
     assert 0 < n == len(seq.output_ids) < LONG and not engine.flush_cache()
     engine.resume()
     deadline = time.monotonic() + 10
@@ -204,30 +259,42 @@ def test_in_place_pause_stops_stepping(tiny):
 
 def test_flush_cache_refused_while_running(server):
     async def go(c):
-        req = GenerateRequest([3], {"max_new_tokens": LONG, "ignore_eos": True})
+        req = GenerateRequest(PROMPT, {"max_new_tokens": LONG, "ignore_eos": True})
         task = asyncio.create_task(c.generate_one(req))
-        await asyncio.sleep(0.3)
+        await wait_mid_generation(c, task)
         during = await c.flush_cache()
         await c.pause("abort")
         await c.resume()
-        await task
-        return during, await c.flush_cache()
+        out = await task  # aborted after the flush: it was running all through the flush
+        return during, out.finish_reason, await c.flush_cache()
 
-    assert run(_with_client(server.url, go)) == (False, True)
+    assert run(_with_client(server.url, go)) == (False, "abort", True)
 
 
 def test_client_hang_up_aborts_its_request(server):
     async def go():
-        async with EngineClient(server.url, timeout=0.5) as impatient:
-            req = GenerateRequest([3], {"max_new_tokens": LONG, "ignore_eos": True})
-            with pytest.raises(EngineTimeoutError):
-                await impatient.generate_one(req)
         async with EngineClient(server.url) as c:
-            for _ in range(100):  # the server notices the closed connection and aborts
-                if await c.flush_cache():
-                    return True
-                await asyncio.sleep(0.05)
-        return False
+            impatient = EngineClient(server.url, timeout=HANG_UP_S)
+            req = GenerateRequest(PROMPT, {"max_new_tokens": LONG, "ignore_eos": True})
+            task = asyncio.create_task(impatient.generate_one(req))
+            await wait_mid_generation(c, task)
+            # Hold it mid-generation: paused in place it can neither finish nor free its KV
+            # by itself, so only the server aborting it on the hang-up lets a flush succeed.
+            await c.pause("in_place")
+            try:
+                assert not await c.flush_cache()
+                with pytest.raises(EngineTimeoutError):
+                    await task  # the client gives up ...
+                await impatient.close()  # ... and hangs up
+                deadline = time.monotonic() + 10
+                while not await c.flush_cache():  # the server notices and aborts
+                    if time.monotonic() > deadline:
+                        return False
+                    await asyncio.sleep(0.01)
+                return True
+            finally:
+                await impatient.close()
+                await c.resume()
 
     assert run(go())
 

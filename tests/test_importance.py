@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.algo.importance import (
+    RolloutIS,
     apply_rollout_is,
     compute_rollout_importance_weights,
     normalize_weights_to_batch_mean,
@@ -98,9 +99,10 @@ def _reference_weights(lr, mask, level, mode, upper, lower, veto):
     return torch.tensor(out)
 
 
-def _is(*args, **kwargs):
-    kwargs.setdefault("rollout_is_threshold", 2.0)
-    return compute_rollout_importance_weights(*args, **kwargs)
+def _is(*args, **settings):
+    """compute_rollout_importance_weights with a RolloutIS built from `settings` (threshold 2)."""
+    settings.setdefault("threshold", 2.0)
+    return compute_rollout_importance_weights(*args, RolloutIS(**settings))
 
 
 @pytest.mark.parametrize("veto", [None, 1e-4])
@@ -109,9 +111,9 @@ def _is(*args, **kwargs):
 def test_weights_match_reference_for_every_level_mode_veto(level, mode, veto):
     weights, metrics = _is(
         *_tensors(LR, MASK),
-        rollout_is_level=level,
-        rollout_is_mode=mode,
-        rollout_is_veto_threshold=veto,
+        level=level,
+        mode=mode,
+        veto_threshold=veto,
     )
     expected = _reference_weights(LR, MASK, level, mode, 2.0, 0.5, veto)
     torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-7)
@@ -122,7 +124,7 @@ def test_weights_match_reference_for_every_level_mode_veto(level, mode, veto):
 
 @pytest.mark.parametrize("level", ["sequence", "geometric"])
 def test_sequence_levels_give_one_weight_per_sequence(level):
-    weights, _ = _is(*_tensors(LR, MASK), rollout_is_level=level, rollout_is_threshold=1e6)
+    weights, _ = _is(*_tensors(LR, MASK), level=level, threshold=1e6)
     for row, (lr_row, m_row) in enumerate(zip(LR, MASK)):
         valid = [x for x, m in zip(lr_row, m_row) if m]
         log_w = sum(valid) if level == "sequence" else sum(valid) / len(valid)
@@ -132,7 +134,7 @@ def test_sequence_levels_give_one_weight_per_sequence(level):
 
 
 def test_truncate_caps_at_upper_only():
-    weights, metrics = _is(*_tensors(LR, MASK), rollout_is_veto_threshold=None)
+    weights, metrics = _is(*_tensors(LR, MASK), veto_threshold=None)
     assert weights.max().item() == pytest.approx(2.0)
     assert weights[3, 0].item() == pytest.approx(math.exp(-1.0), rel=1e-6)  # below lower: kept
     assert metrics["mismatch/rollout_is_truncated_fraction"] == pytest.approx(1 / 13)
@@ -141,7 +143,7 @@ def test_truncate_caps_at_upper_only():
 
 def test_clip_zeroes_outside_bounds_and_lower_defaults_to_reciprocal():
     old, rollout, mask = _tensors([[math.log(0.2), math.log(0.3), math.log(5.0), 0.0]], [[1] * 4])
-    weights, metrics = _is(old, rollout, mask, rollout_is_mode="clip", rollout_is_threshold=4.0)
+    weights, metrics = _is(old, rollout, mask, mode="clip", threshold=4.0)
     torch.testing.assert_close(weights, torch.tensor([[0.0, 0.3, 0.0, 1.0]]))
     assert metrics["mismatch/rollout_is_clipped_fraction"] == pytest.approx(0.5)
     assert metrics["mismatch/rollout_is_truncated_fraction"] == 0.0
@@ -149,9 +151,9 @@ def test_clip_zeroes_outside_bounds_and_lower_defaults_to_reciprocal():
         old,
         rollout,
         mask,
-        rollout_is_mode="clip",
-        rollout_is_threshold=4.0,
-        rollout_is_threshold_lower=0.1,
+        mode="clip",
+        threshold=4.0,
+        threshold_lower=0.1,
     )
     torch.testing.assert_close(explicit, torch.tensor([[0.2, 0.3, 0.0, 1.0]]))
 
@@ -159,10 +161,8 @@ def test_clip_zeroes_outside_bounds_and_lower_defaults_to_reciprocal():
 @pytest.mark.parametrize("level", LEVELS)
 def test_veto_zeroes_only_the_sequence_with_a_catastrophic_token(level):
     args = _tensors(LR, MASK)
-    vetoed, metrics = _is(*args, rollout_is_level=level, rollout_is_threshold=1e6)
-    free, free_metrics = _is(
-        *args, rollout_is_level=level, rollout_is_threshold=1e6, rollout_is_veto_threshold=None
-    )
+    vetoed, metrics = _is(*args, level=level, threshold=1e6)
+    free, free_metrics = _is(*args, level=level, threshold=1e6, veto_threshold=None)
     assert vetoed[2].abs().sum().item() == 0.0 and free[2].abs().sum().item() > 0.0
     keep = [0, 1, 3]
     torch.testing.assert_close(vetoed[keep], free[keep])
@@ -173,7 +173,7 @@ def test_veto_zeroes_only_the_sequence_with_a_catastrophic_token(level):
 
 def test_veto_checks_the_true_unclamped_ratio():
     old, rollout, mask = _tensors([[-25.0, 0.0], [-19.0, 0.0]], [[1, 1], [1, 1]])
-    weights, _ = _is(old, rollout, mask, rollout_is_veto_threshold=math.exp(-22.0))
+    weights, _ = _is(old, rollout, mask, veto_threshold=math.exp(-22.0))
     assert weights[0].sum().item() == 0.0  # -25 < -22 even though the weight clamps at e^-20
     assert weights[1, 1].item() == 1.0
 
@@ -183,31 +183,31 @@ def test_threshold_none_disables_everything():
         for mode in MODES:
             assert _is(
                 *_tensors(LR, MASK),
-                rollout_is_level=level,
-                rollout_is_mode=mode,
-                rollout_is_threshold=None,
+                level=level,
+                mode=mode,
+                threshold=None,
             ) == (None, {})
-    assert apply_rollout_is(*_tensors(LR, MASK), rollout_is_threshold=None) == (None, {})
+    assert apply_rollout_is(*_tensors(LR, MASK), RolloutIS(threshold=None)) == (None, {})
 
 
 def test_metrics_only_mode_returns_full_metrics_and_no_weights():
     args = _tensors(LR, MASK)
-    weights, metrics = apply_rollout_is(*args, rollout_is=False, rollout_is_threshold=2.0)
+    weights, metrics = apply_rollout_is(*args, RolloutIS(apply=False, threshold=2.0))
     _, full = _is(*args)
     assert weights is None and metrics == full
-    applied, _ = apply_rollout_is(*args, rollout_is=True, rollout_is_threshold=2.0)
+    applied, _ = apply_rollout_is(*args, RolloutIS(apply=True, threshold=2.0))
     assert applied is not None
 
 
 def test_masked_positions_are_zero_and_change_nothing():
     old, rollout, mask = _tensors(LR, MASK)
     for level in LEVELS:
-        w1, m1 = _is(old, rollout, mask, rollout_is_level=level)
+        w1, m1 = _is(old, rollout, mask, level=level)
         garbage_old = old.clone()
         garbage_old[mask == 0] = torch.tensor([float("nan"), float("-inf"), 1e4])
         garbage_rollout = rollout.clone()
         garbage_rollout[mask == 0] = float("inf")
-        w2, m2 = _is(garbage_old, garbage_rollout, mask, rollout_is_level=level)
+        w2, m2 = _is(garbage_old, garbage_rollout, mask, level=level)
         assert (w1[mask == 0] == 0).all()
         torch.testing.assert_close(w1, w2)
         assert m1 == m2
@@ -216,7 +216,7 @@ def test_masked_positions_are_zero_and_change_nothing():
 def test_hand_computed_metrics_on_a_tiny_example():
     lr = [[0.5, -0.5, 0.0], [1.0, 0.0, 7.0]]
     old, rollout, mask = _tensors(lr, [[1, 1, 1], [1, 1, 0]])
-    _, m = _is(old, rollout, mask, rollout_is_veto_threshold=None)
+    _, m = _is(old, rollout, mask, veto_threshold=None)
     m = {k.removeprefix("mismatch/"): v for k, v in m.items()}
     valid = [0.5, -0.5, 0.0, 1.0, 0.0]
     w = [math.exp(x) for x in valid]
@@ -268,7 +268,7 @@ def test_percentiles_match_torch_quantile():
 def test_empty_mask_gives_zero_weights_and_neutral_metrics():
     old, rollout, _ = _tensors(LR, MASK)
     for level in LEVELS:
-        weights, m = _is(old, rollout, torch.zeros(4, 4), rollout_is_level=level)
+        weights, m = _is(old, rollout, torch.zeros(4, 4), level=level)
         assert (weights == 0).all()
         assert m["mismatch/rollout_is_eff_sample_size"] == 1.0
         assert m["mismatch/rollout_is_mean"] == 1.0 and m["mismatch/mismatch_ppl_ratio"] == 1.0
@@ -279,7 +279,7 @@ def test_empty_mask_gives_zero_weights_and_neutral_metrics():
 def test_single_token_and_batch_of_one():
     old, rollout, mask = _tensors([[0.25]], [[1]])
     for level in LEVELS:
-        weights, m = _is(old, rollout, mask, rollout_is_level=level)
+        weights, m = _is(old, rollout, mask, level=level)
         assert weights.item() == pytest.approx(math.exp(0.25), rel=1e-6)
         assert m["mismatch/rollout_is_std"] == 0.0 and m["mismatch/rollout_is_seq_std"] == 0.0
         assert m["mismatch/rollout_is_eff_sample_size"] == pytest.approx(1.0)
@@ -288,9 +288,7 @@ def test_single_token_and_batch_of_one():
 def test_weights_are_detached_and_gradients_stay_finite():
     old, rollout, mask = _tensors([[30.0, -30.0, 0.1]], [[1, 1, 1]])
     old.requires_grad_(True)
-    weights, _ = _is(
-        old, rollout, mask, rollout_is_level="sequence", rollout_is_veto_threshold=None
-    )
+    weights, _ = _is(old, rollout, mask, level="sequence", veto_threshold=None)
     assert not weights.requires_grad
     (weights * old).sum().backward()
     assert torch.isfinite(old.grad).all()
@@ -332,8 +330,8 @@ def _batches(draw):
 def test_property_finite_bounded_and_mask_invariant(data, level, mode, veto, upper):
     lr, junk, mask = data
     old, rollout, m = _tensors(lr, mask)
-    kw = dict(rollout_is_level=level, rollout_is_mode=mode, rollout_is_veto_threshold=veto)
-    weights, metrics = _is(old, rollout, m, rollout_is_threshold=upper, **kw)
+    kw = dict(level=level, mode=mode, veto_threshold=veto)
+    weights, metrics = _is(old, rollout, m, threshold=upper, **kw)
     assert torch.isfinite(weights).all() and (weights >= 0).all()
     assert (weights[m == 0] == 0).all()
     assert (weights <= upper * (1 + 1e-6)).all()
@@ -345,7 +343,7 @@ def test_property_finite_bounded_and_mask_invariant(data, level, mode, veto, upp
     assert metrics["mismatch/mismatch_k3_kl"] >= 0
     # values under mask 0 change nothing
     old2 = torch.where(m.bool(), old, torch.tensor(junk))
-    weights2, metrics2 = _is(old2, rollout, m, rollout_is_threshold=upper, **kw)
+    weights2, metrics2 = _is(old2, rollout, m, threshold=upper, **kw)
     torch.testing.assert_close(weights, weights2)
     assert metrics == metrics2
 
@@ -353,12 +351,12 @@ def test_property_finite_bounded_and_mask_invariant(data, level, mode, veto, upp
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rollout_is_level": "seq"}, "rollout_is_level must be one of token, sequence, geometric"),
-        ({"rollout_is_mode": "mask"}, "rollout_is_mode must be one of truncate, clip"),
-        ({"rollout_is_threshold": 0.0}, "rollout_is_threshold must be a positive"),
-        ({"rollout_is_threshold": "two"}, "rollout_is_threshold must be a positive number"),
-        ({"rollout_is_threshold_lower": 3.0}, "must not exceed"),
-        ({"rollout_is_veto_threshold": -1.0}, "rollout_is_veto_threshold must be a positive"),
+        ({"level": "seq"}, "rollout_is_level must be one of token, sequence, geometric"),
+        ({"mode": "mask"}, "rollout_is_mode must be one of truncate, clip"),
+        ({"threshold": 0.0}, "rollout_is_threshold must be a positive"),
+        ({"threshold": "two"}, "rollout_is_threshold must be a positive number"),
+        ({"threshold_lower": 3.0}, "must not exceed"),
+        ({"veto_threshold": -1.0}, "rollout_is_veto_threshold must be a positive"),
     ],
 )
 def test_bad_arguments_raise_one_line_value_errors(kwargs, message):
@@ -373,7 +371,72 @@ def test_bad_shapes_and_flags_raise():
     with pytest.raises(ValueError, match="one shape"):
         _is(old[0], rollout[0], mask[0])
     with pytest.raises(ValueError, match="rollout_is must be true or false"):
-        apply_rollout_is(old, rollout, mask, rollout_is="yes", rollout_is_threshold=2.0)
+        apply_rollout_is(old, rollout, mask, RolloutIS(apply="yes", threshold=2.0))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"apply": 1}, "rollout_is must be true or false"),
+        ({"level": "seq"}, "rollout_is_level must be one of token, sequence, geometric"),
+        ({"mode": "mask", "threshold": None}, "rollout_is_mode must be one of truncate, clip"),
+        ({"threshold": float("inf")}, "rollout_is_threshold must be a positive finite"),
+        ({"threshold": True}, "rollout_is_threshold must be a positive number"),
+        ({"threshold": 2.0, "threshold_lower": 0.0}, "rollout_is_threshold_lower must be a"),
+        ({"threshold": 2.0, "threshold_lower": 3.0}, "must not exceed"),
+        ({"veto_threshold": 0.0, "threshold": None}, "rollout_is_veto_threshold must be a"),
+    ],
+)
+def test_bad_settings_fail_when_built(settings, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutIS(**settings)
+
+
+def test_settings_are_frozen_keyword_only_and_off_without_a_threshold():
+    settings = RolloutIS(threshold=2.0)
+    with pytest.raises(AttributeError):
+        settings.threshold = 3.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        RolloutIS(True, "token")  # type: ignore[misc]
+    assert settings.enabled and settings.bounds() == (2.0, 0.5)
+    assert RolloutIS(threshold=4, threshold_lower=0.125).bounds() == (4.0, 0.125)
+    # as the config validation: the lower bound is only checked against a set threshold
+    disabled = RolloutIS(threshold=None, threshold_lower=-1.0)
+    assert not disabled.enabled
+    assert apply_rollout_is(*_tensors(LR, MASK), disabled) == (None, {})
+
+
+def test_rollout_is_settings_maps_every_flat_config_key():
+    from dataclasses import fields
+
+    from asyncrl.config.schema import AlgorithmConfig
+    from asyncrl.learner.objective import rollout_is_settings
+
+    alg = AlgorithmConfig(
+        rollout_is=False,
+        rollout_is_level="geometric",
+        rollout_is_mode="clip",
+        rollout_is_threshold=3.0,
+        rollout_is_threshold_lower=0.25,
+        rollout_is_veto_threshold=1e-3,
+    )
+    expected = RolloutIS(
+        apply=False,
+        level="geometric",
+        mode="clip",
+        threshold=3.0,
+        threshold_lower=0.25,
+        veto_threshold=1e-3,
+    )
+    assert rollout_is_settings(alg) == expected
+    defaults = rollout_is_settings(AlgorithmConfig())
+    assert defaults.apply and defaults.threshold == 2.0 and defaults.veto_threshold == 1e-4
+    # every rollout IS key reaches the settings, except the post-rejection batch normalisation
+    keys = {f.name for f in fields(AlgorithmConfig) if f.name.startswith("rollout_is")}
+    mapped = {
+        "rollout_is" if f.name == "apply" else f"rollout_is_{f.name}" for f in fields(RolloutIS)
+    }
+    assert keys - mapped == {"rollout_is_batch_normalize"} and mapped <= keys
 
 
 # Rejection sampling. lr rows: k1 = -lr, k2 = lr²/2, k3 = e^lr - 1 - lr.

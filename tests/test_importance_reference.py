@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.algo.importance import compute_rollout_importance_weights
+from asyncrl.algo.importance import RolloutIS, compute_rollout_importance_weights
 from asyncrl.algo.mismatch_metrics import Sample, quantiles, sample_quantiles
 from asyncrl.algo.rejection import rejection_mask
 
@@ -163,9 +163,10 @@ def _mismatch_metrics(rows: list) -> dict[str, float]:
 @pytest.mark.parametrize("seed", range(10))
 def test_metrics_match_naive_reference(seed, level, mode, upper, lower, veto):
     old, rollout, mask = _batch(seed)
-    _, got = compute_rollout_importance_weights(
-        old, rollout, mask, level, mode, upper, lower, rollout_is_veto_threshold=veto
+    settings = RolloutIS(
+        level=level, mode=mode, threshold=upper, threshold_lower=lower, veto_threshold=veto
     )
+    _, got = compute_rollout_importance_weights(old, rollout, mask, settings)
     lower = 1.0 / upper if lower is None else lower
     rows = _rows(old, rollout, mask, level)
     expected = {

@@ -12,9 +12,9 @@ import torch
 
 from asyncrl.algo.kl import entropy_from_logits
 from asyncrl.config import load_config
-from asyncrl.learner import megatron_args as ma
-from asyncrl.learner import megatron_batch as mb
 from asyncrl.learner.logprobs import token_logprobs
+from asyncrl.learner.megatron import args as ma
+from asyncrl.learner.megatron import batch as mb
 from asyncrl.types import TrajectoryGroup, collate
 
 HF = {
@@ -102,11 +102,11 @@ def test_model_features_outside_the_builtin_path_are_refused():
 def test_megatron_modules_import_without_megatron():
     code = (
         "import sys\n"
-        "import asyncrl.learner.megatron, asyncrl.learner.megatron_worker\n"
-        "import asyncrl.learner.megatron_build, asyncrl.learner.megatron_weights\n"
+        "import asyncrl.learner.megatron.learner, asyncrl.learner.megatron.worker\n"
+        "import asyncrl.learner.megatron.build, asyncrl.learner.megatron.weights\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'megatron']\n"
         "sys.modules['megatron'] = None  # as if megatron-core were not installed\n"
-        "from asyncrl.learner.megatron import require_megatron\n"
+        "from asyncrl.learner.megatron.learner import require_megatron\n"
         "try:\n    require_megatron()\nexcept ImportError as e:\n    print('ERR', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -179,7 +179,7 @@ def test_recipes_turn_into_megatron_and_sglang_arguments(name):
     """Every production recipe's pass-through config becomes valid Megatron and SGLang args."""
     from pathlib import Path
 
-    from asyncrl.rollout import sglang_launch as sl
+    from asyncrl.engine import sglang as sl
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / f"{name}.yaml")
     train, infer = cfg.actor_train, cfg.actor_infer

@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config.schema import EnvConfig
-from asyncrl.rollout.actor import ActorSettings, GroupBuilder, PromptItem, make_builder
+from asyncrl.config.schema import EnvConfig, GeneratingArgs
+from asyncrl.data.prompts import PromptItem
+from asyncrl.engine.hf.launch import launch_hf_server
 from asyncrl.rollout.chat_tokens import TurnTemplate
-from asyncrl.rollout.client import launch_hf_server
 from asyncrl.rollout.multiturn import EpisodeBuilder, EpisodeError
+from asyncrl.rollout.settings import RolloutSettings
+from asyncrl.rollout.single_turn import GroupBuilder
+from asyncrl.rollout.worker import make_builder
 from asyncrl.types import NOT_GENERATED, collate
 from tests import env_fixtures
 
@@ -28,16 +31,16 @@ def server(tiny_model):
     handle.stop()
 
 
-def settings(server, tiny_model, env: str = "ScriptedEnv", n: int = 3, **env_kw) -> ActorSettings:
+def settings(server, tiny_model, env: str = "ScriptedEnv", n: int = 3, **env_kw) -> RolloutSettings:
     env_cfg = EnvConfig(name=FIX + env, **{"max_turns": 4, "step_timeout_s": 10.0, **env_kw})
-    return ActorSettings(
+    return RolloutSettings(
         engine_urls=[server.url], transport_host="127.0.0.1", transport_port=0,
-        tokenizer_path=str(tiny_model), n=n, max_new_tokens=6, temperature=1.0,
-        env=env_cfg, max_total_tokens=240, seed=0,
+        tokenizer_path=str(tiny_model), n=n, generating=GeneratingArgs(max_new_tokens=6),
+        env=env_cfg, response_length=240, seed=0,
     )  # fmt: skip
 
 
-def build(s: ActorSettings, seed: int = 3):
+def build(s: RolloutSettings, seed: int = 3):
     builder = EpisodeBuilder(s)
 
     async def go():
@@ -153,7 +156,7 @@ def test_turn_and_token_limits(server, tiny_model):
     _, group = build(settings(server, tiny_model, max_turns=2))
     assert group.finish_reasons == ["max_turns"] * 3 and group.metadata["env/turns"] == 6
     s = settings(server, tiny_model)
-    s.max_total_tokens = 20
+    s.response_length = 20
     _, group = build(s)
     assert all(r == "length" for r in group.finish_reasons)
     assert int(group.response_lengths.max()) <= 20
@@ -168,7 +171,7 @@ def test_make_builder_picks_by_settings(server, tiny_model):
 
 def test_aborted_turn_is_continued_from_its_partial_output(server, tiny_model):
     """pause_mode abort returns a partial turn: it is continued from context + partial ids."""
-    from asyncrl.rollout.client import Completion
+    from asyncrl.engine.client import Completion
 
     class AbortOnceClient:  # the engine edge, scripted
         def __init__(self):

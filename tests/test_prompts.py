@@ -8,9 +8,9 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.data.datasets import DatasetError
+from asyncrl.data.prompts import EMBEDDED_TRAIN_ROWS, PromptSource
 from asyncrl.data.synthetic import make_rows
 from asyncrl.models.tiny import DEFAULT_SPEC, build_tokenizer
-from asyncrl.rollout.prompts import EMBEDDED_TRAIN_ROWS, PromptSource
 
 ROWS = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
 

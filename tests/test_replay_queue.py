@@ -57,13 +57,27 @@ def q(max_staleness: int = 0, batch: int = 1, version: int = 0, **kw) -> ReplayQ
     return ReplayQueue(cfg, version=version)
 
 
+def keys(k: int, prefix: str = "r") -> list[str]:
+    """k prompt keys for `reserve`: `prefix0` ... `prefix{k-1}`."""
+    return [f"{prefix}{i}" for i in range(k)]
+
+
+def evicted(queue: ReplayQueue) -> list[str]:
+    """Ids of the recently evicted groups, as the checkpoint keeps them."""
+    return queue.state_dict()["evicted_ids"]
+
+
+def in_flight(queue: ReplayQueue) -> list[str]:
+    """Keys in the in-flight ledger, in re-issue order."""
+    return [p["key"] for p in queue.admission.outstanding()]
+
+
 # -- config ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kw",
     [
         {"max_staleness": -1},
         {"rollout_batch_size": 0},
-        {"max_depth": 0},
         {"dedup_window": -1},
         {"filters": ["not callable"]},
     ],
@@ -93,7 +107,7 @@ def test_take_evicts_groups_staler_than_the_bound():
     queue.put(group("v2", 2))
     queue.put(group("v3", 3))
     assert ids(queue.take(2, current_version=3)) == ["v2", "v3"]
-    assert queue.evicted_ids() == ["v0", "mixed"]
+    assert evicted(queue) == ["v0", "mixed"]
     m = queue.metrics()
     assert m["evicted"] == 2 and m["taken"] == 2 and m["depth"] == 0
     assert m["lag_taken/0"] == m["lag_taken/1"] == 1 and m["lag_taken_mean"] == 0.5
@@ -104,9 +118,9 @@ def test_set_version_evicts_eagerly_and_stale_puts_are_evicted():
     queue.put(group("old", 0))
     queue.put(group("new", 1))
     queue.set_version(2)
-    assert queue.evicted_ids() == ["old"] and len(queue) == 1
+    assert evicted(queue) == ["old"] and len(queue) == 1
     assert queue.put(group("late", 0)) is False  # generated two versions ago: evicted on arrival
-    assert queue.evicted_ids() == ["old", "late"]
+    assert evicted(queue) == ["old", "late"]
     assert queue.metrics()["evicted"] == 2
     with pytest.raises(ReplayError, match="went back"):
         queue.set_version(1)
@@ -152,21 +166,11 @@ def test_capacity_matches_areal_closed_form(s, v, b, accepted, running):
     for i in range(accepted):
         queue.put(group(f"g{i}", v))  # unreserved: accepted without running
     budget = (s + v + 1) * b
-    granted = queue.reserve(running)
+    granted = queue.reserve(running, keys(running))
     assert granted == min(running, max(0, budget - accepted))
     assert queue.capacity() == max(0, budget - (accepted + granted))
     m = queue.metrics()
     assert (m["accepted"], m["running"], m["budget"]) == (accepted, granted, budget)
-
-
-def test_capacity_also_bounded_by_max_depth():
-    queue = q(max_staleness=5, batch=10, max_depth=4)
-    assert queue.capacity() == 4
-    assert queue.reserve(3) == 3
-    queue.put(group("a"))
-    assert queue.capacity() == 1  # depth 1 + running 2 of 4
-    with pytest.raises(ReplayError, match="max_depth"):
-        queue.take(5, 0)
 
 
 def test_max_staleness_zero_is_synchronous_one_batch_per_version():
@@ -175,7 +179,7 @@ def test_max_staleness_zero_is_synchronous_one_batch_per_version():
     for v in range(5):
         queue.set_version(v)
         assert queue.capacity() == b
-        assert queue.reserve(b + 2) == b  # never more than one batch
+        assert queue.reserve(b + 2, keys(b + 2, f"v{v}-")) == b  # never more than one batch
         assert queue.capacity() == 0
         for i in range(b):
             queue.put(group(f"v{v}-{i}", v))
@@ -196,7 +200,8 @@ def test_evictions_free_capacity_so_the_learner_never_starves():
     pending: list[tuple[int, str, int]] = []  # (arrival tick, group id, born version)
     serial = 0
     for tick in range(300):
-        for _ in range(queue.reserve(queue.capacity())):
+        want = queue.capacity()
+        for _ in range(queue.reserve(want, [f"p{serial + i}" for i in range(want)])):
             delay = 5 if serial % 2 else 1
             pending.append((tick + delay, f"p{serial}", queue.version))
             serial += 1
@@ -213,46 +218,35 @@ def test_evictions_free_capacity_so_the_learner_never_starves():
 
 def test_filtered_groups_free_capacity():
     queue = q(max_staleness=0, batch=2, filters=(dapo_zero_variance,))
-    assert queue.reserve(2) == 2
+    assert queue.reserve(2, ["flat", "good1"]) == 2
     assert queue.put(group("flat", 0, rewards=(1.0, 1.0))) is False
     assert queue.capacity() == 1  # the filtered prompt is replaced
-    assert queue.reserve(5) == 1
+    assert queue.reserve(5, ["good2", *keys(4)]) == 1
     assert queue.put(group("good1", 0)) and queue.put(group("good2", 0))
     assert ids(queue.take(2, 0)) == ["good1", "good2"]
     assert queue.metrics()["filtered/dapo_zero_variance"] == 1
 
 
 # -- in-flight ledger -----------------------------------------------------------------------
-def test_keyed_reservations_are_cleared_by_put_and_release():
+def test_keyed_reservations_are_cleared_by_put():
     queue = q(max_staleness=0, batch=4)
     assert queue.reserve(3, ["a", "b", "c"]) == 3
-    assert queue.reserve(3, ["d", "e", "f"]) == 1  # only one slot left: "d"
-    assert queue.in_flight() == ["a", "b", "c", "d"]
-    assert queue.release(1, ["d"]) == 1
     with pytest.raises(ReplayError, match="already in flight"):
         queue.reserve(1, ["a"])
+    assert queue.reserve(3, ["d", "e", "f"]) == 1  # only one slot left: "d"
+    assert in_flight(queue) == ["a", "b", "c", "d"]
     queue.put(group("a"))  # cleared by group id
     queue.put(group("gid-x"), prompt_key="b")  # cleared by explicit key
-    assert queue.release(1, ["c", "zzz"]) == 1  # unknown keys are ignored (race with put)
-    assert queue.in_flight() == []
-    queue.put(group("late-c"), prompt_key="c")  # its reservation was released: unreserved
+    assert in_flight(queue) == ["c", "d"]
+    queue.put(group("late"), prompt_key="zzz")  # nobody reserved it: unreserved
     m = queue.metrics()
-    assert (m["running"], m["accepted"], m["unreserved"]) == (0, 3, 1)
+    assert (m["running"], m["accepted"], m["unreserved"]) == (2, 3, 1)
     with pytest.raises(ReplayError, match="prompt keys"):
         queue.reserve(2, ["only-one"])
     with pytest.raises(ReplayError, match="not a str"):
         queue.reserve(3, "abc")
     with pytest.raises(ReplayError, match="expected a TrajectoryGroup"):
         queue.put({"group_id": "dict"})  # type: ignore[arg-type]
-
-
-def test_anonymous_reservations():
-    queue = q(max_staleness=1, batch=2)
-    assert queue.reserve(3) == 3
-    assert queue.release(5) == 3  # cannot free more than are running
-    assert queue.reserve(2) == 2
-    queue.put(group("x"))
-    assert queue.metrics()["running"] == 1 and queue.metrics()["unreserved"] == 0
 
 
 # -- filters --------------------------------------------------------------------------------
@@ -299,7 +293,7 @@ def test_duplicate_group_ids_are_rejected_and_counted():
     queue.reserve(1, ["g"])  # re-issued prompt with the same id
     with pytest.raises(DuplicateGroupError, match="'g' was already put"):
         queue.put(group("g"))
-    assert queue.in_flight() == ["g"]  # a rejected duplicate changes nothing
+    assert in_flight(queue) == ["g"]  # a rejected duplicate changes nothing
     queue.take(1, 0)
     with pytest.raises(DuplicateGroupError):
         queue.put(group("g"))  # still rejected after it was taken
@@ -391,7 +385,7 @@ def _assert_plain(x) -> None:
         for v in x:
             _assert_plain(v)
     else:
-        assert x is None or isinstance(x, (str, int, float, bool, np.ndarray)), type(x)
+        assert x is None or isinstance(x, (str, int, float, bool, bytes, np.ndarray)), type(x)
 
 
 def _busy_queue() -> ReplayQueue:
@@ -411,9 +405,9 @@ def test_state_dict_round_trip_resumes_identically():
     _assert_plain(state)
     dst = q(max_staleness=2, batch=3, filters=(dapo_zero_variance,))
     dst.load_state_dict(state)
-    assert dst.in_flight() == src.in_flight() == ["k4", "k5"]
+    assert in_flight(dst) == in_flight(src) == ["k4", "k5"]
     assert dst.metrics() == src.metrics()
-    assert dst.evicted_ids() == src.evicted_ids() == ["k3"]
+    assert evicted(dst) == evicted(src) == ["k3"]
     for queue in (src, dst):  # the same future on both
         queue.put(group("k4", 3))
         queue.put(group("k5", 3))
@@ -423,9 +417,8 @@ def test_state_dict_round_trip_resumes_identically():
     assert dst.metrics() == src.metrics()
 
 
-def test_load_drops_anonymous_reservations_and_rejects_bad_state():
+def test_load_keeps_the_ledger_and_rejects_bad_state():
     src = q(max_staleness=0, batch=4)
-    src.reserve(2)
     src.reserve(1, ["keyed"])
     dst = q(max_staleness=0, batch=4)
     dst.load_state_dict(src.state_dict())
@@ -440,20 +433,17 @@ def test_load_drops_anonymous_reservations_and_rejects_bad_state():
 
 
 # -- property: random interleavings ---------------------------------------------------------
-OPS = st.sampled_from(
-    ["reserve", "put", "put", "put_flat", "take", "learner_step", "set_version", "release"]
-)
+OPS = st.sampled_from(["reserve", "put", "put", "put_flat", "take", "learner_step", "set_version"])
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     s=st.integers(0, 3),
     b=st.integers(1, 4),
-    max_depth=st.one_of(st.none(), st.integers(2, 12)),
     steps=st.lists(st.tuples(OPS, st.integers(0, 5), st.integers(0, 3)), min_size=10, max_size=100),
 )
-def test_random_interleavings_keep_the_invariants(s, b, max_depth, steps):
-    cfg = ReplayConfig(s, b, max_depth=max_depth, filters=(dapo_zero_variance,))
+def test_random_interleavings_keep_the_invariants(s, b, steps):
+    cfg = ReplayConfig(s, b, filters=(dapo_zero_variance,))
     queue = ReplayQueue(cfg)
     reserved_at: dict[str, int] = {}  # key -> version when it was reserved
     serial = 0
@@ -472,21 +462,15 @@ def test_random_interleavings_keep_the_invariants(s, b, max_depth, steps):
             got = queue.take(1 + k % 2, v)
             assert got is None or all(0 <= staleness(g, v) <= s for g in got)
         elif op == "learner_step":  # one batch, then publish new weights
-            got = queue.take(b, v) if max_depth is None or b <= max_depth else None
+            got = queue.take(b, v)
             if got is not None:
                 assert all(0 <= staleness(g, v) <= s for g in got)
                 queue.set_version(v + 1)
         elif op == "set_version":
             queue.set_version(v + extra)
-        elif op == "release" and reserved_at:
-            key = sorted(reserved_at)[k % len(reserved_at)]
-            del reserved_at[key]
-            assert queue.release(1, [key]) == 1
         m = queue.metrics()
         assert m["accepted"] + m["running"] <= m["budget"]
-        if max_depth is not None:
-            assert m["depth"] + m["running"] <= max_depth
         assert m["put"] == m["taken"] + m["evicted"] + m["filtered"] + m["depth"]
         assert m["accepted"] == m["taken"] + m["depth"]
-        assert m["running"] == len(reserved_at) == len(queue.in_flight())
+        assert m["running"] == len(reserved_at) == len(in_flight(queue))
         assert m["unreserved"] == 0 and m["capacity"] >= 0

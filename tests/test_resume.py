@@ -7,7 +7,13 @@ import json
 
 from asyncrl.checkpoint import load_msgpack
 from asyncrl.run import run
+from asyncrl.transport.stored import group_from_bytes
 from tests.test_e2e import shrunk
+
+
+def _buffered_ids(extra: dict) -> list[str]:
+    """Ids of the groups a checkpoint's replay queue held (stored as wire frames)."""
+    return [group_from_bytes(g).group_id for g in extra["queue"]["groups"]]
 
 
 def _rows(path):
@@ -19,7 +25,7 @@ def test_stop_and_resume(tiny_model, tmp_path):
     run(shrunk(tiny_model, tmp_path, "max_steps=2", *common))
     saved = load_msgpack(tmp_path / "checkpoints" / "step_2" / "extra.msgpack")
     assert saved["version"] == 2
-    buffered = [g["group_id"] for g in saved["queue"]["groups"]]
+    buffered = _buffered_ids(saved)
     outstanding = [item["key"] for item in saved["outstanding"]]
     first_run = [i for r in _rows(tmp_path / "trained_groups.jsonl") for i in r["ids"]]
 
@@ -33,7 +39,7 @@ def test_stop_and_resume(tiny_model, tmp_path):
     assert len(trained) == len(set(trained)), "a group was trained twice across the resume"
     second_run = trained[len(first_run) :]
     final = load_msgpack(tmp_path / "checkpoints" / "step_4" / "extra.msgpack")
-    still_here = {g["group_id"] for g in final["queue"]["groups"]}
+    still_here = set(_buffered_ids(final))
     still_here |= {item["key"] for item in final["outstanding"]}
     still_here |= set(final["queue"]["evicted_ids"])
     # every group buffered or in flight at the stop was trained after the resume (or is still

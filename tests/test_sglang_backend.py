@@ -1,5 +1,5 @@
 """The sglang backend: config -> server and router command lines, and the real launcher,
-EngineSet, client and WeightSender driving fake SGLang processes (tests/fake_sglang: the same
+EngineFleet, client and WeightSender driving fake SGLang processes (tests/fake_sglang: the same
 CLI, endpoints and reply shapes, every request checked against SGLang's request structs)."""
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.device import SPECS
-from asyncrl.rollout import sglang_launch as sl
-from asyncrl.rollout.client import EngineClient, EngineLaunchError, GenerateRequest
+from asyncrl.engine import sglang as sl
+from asyncrl.engine.client import EngineClient, GenerateRequest
+from asyncrl.engine.process import EngineLaunchError
+from asyncrl.net import free_port
 
 FAKE = str(Path(__file__).parent / "fake_sglang")
 
@@ -129,7 +131,7 @@ def test_each_engine_sees_only_its_devices(tmp_path, tiny_model):
 
 def test_attach_to_given_servers_checks_tp_size(tmp_path, tiny_model):
     settings = sl.SGLangSettings.parse(fake_env())
-    port = sl.free_port()
+    port = free_port()
     cmd = sl.server_command(tiny_model, port, 1, settings)
     url = f"http://127.0.0.1:{port}"
     handle = sl.start_process(cmd, settings.env, url, tmp_path / "attached.log")
@@ -173,11 +175,11 @@ def check_engine(url: str, expected: dict[str, str], version: str, pause_mode: s
 
 
 def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkeypatch):
-    """The real EngineSet on strategy sglang: 2 engines x tp 2 behind the router, gloo group of
+    """The real EngineFleet on strategy sglang: 2 engines x tp 2 behind the router, gloo group of
     world 5, flattened and per-tensor buckets, byte-exact on every rank, then a heal."""
+    from asyncrl.engine.fleet import EngineFleet
     from asyncrl.learner.base import make_learner
-    from asyncrl.rollout.cluster import AsyncRunner
-    from asyncrl.rollout.engines import EngineSet
+    from asyncrl.net import AsyncRunner
 
     monkeypatch.setenv("ASYNCRL_DEVICE", "cpu")
     cfg = infer_cfg(tmp_path, load_format="dummy", router_policy="round_robin", **fake_env())
@@ -189,7 +191,10 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
         algorithm=cfg.algorithm, temperature=1.0, total_steps=1, seed=0,
     )  # fmt: skip
     runner = AsyncRunner()
-    engines = EngineSet(cfg, tiny_model, runner)
+    engines = EngineFleet(
+        cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, tiny_model, Path(cfg.output_dir),
+        seed=cfg.seed, request_timeout_s=cfg.rollout.request_timeout_s, runner=runner,
+    )  # fmt: skip
     try:
         engines.start(learner)  # launch, group (world 1 + 2 + 2), first sync
         urls = [h.url for h in engines.handles]
@@ -200,7 +205,7 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
             assert all(len({str(d) for d in b["dtypes"]}) == 1 for b in updates)
         assert engines.last_sync["sync/gb_per_s"] > 0 and engines.last_sync["sync/buckets"] > 1
 
-        (router,) = engines.urls_for_actor(0, 2)
+        (router,) = engines.urls_for_worker(0)
         assert router not in urls and state(router)["argv"][-2:] == ["--port", router[-5:]]
 
         async def generate():
@@ -212,7 +217,7 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
         assert [len(o.output_logprobs) for o in outs] == [len(o.output_ids) for o in outs]
         assert {o.weight_version for o in outs} == {"0"}
 
-        cfg.weight_sync.load_format = "tensors"
+        engines.ws.load_format = "tensors"
         learner.version = 3
         engines.sync(learner)
         for url in urls:
@@ -233,7 +238,7 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
 def test_fake_flags_protocol_violations(tmp_path, tiny_model):
     """The fake's checks are live: a body SGLang would refuse is refused and recorded."""
     settings = sl.SGLangSettings.parse(fake_env())
-    port = sl.free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     handle = sl.start_process(
         sl.server_command(tiny_model, port, 1, settings), settings.env, url, tmp_path / "f.log"

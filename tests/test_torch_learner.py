@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.learner.logprobs import token_logprobs
-from asyncrl.learner.torch_learner import TorchLearner
+from asyncrl.learner.torch.learner import TorchLearner
 from asyncrl.types import TrajectoryGroup, collate
 
 

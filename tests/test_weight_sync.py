@@ -15,15 +15,18 @@ import pytest
 import torch
 from aiohttp import web
 
-from asyncrl.rollout.client import EngineClient, GenerateRequest, free_port, launch_hf_server
+from asyncrl.engine.client import EngineClient, GenerateRequest
+from asyncrl.engine.hf.launch import launch_hf_server
+from asyncrl.net import free_port
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,
+    bucketize,
     flat_layout,
     flatten_bucket,
     unflatten_bucket,
 )
-from asyncrl.weights.sync import WeightSender, WeightSyncError, bucketize
+from asyncrl.weights.sync import WeightSender, WeightSyncError
 from tests.helpers import random_qwen2
 
 GROUP_TIMEOUT = 4.0
@@ -221,23 +224,44 @@ def test_stalled_engine_during_sync_is_named_then_group_recovers(server):
     asyncio.run(go())
 
 
+async def wait_mid_generation(client: EngineClient, task: asyncio.Task, tokens: int) -> None:
+    """Poll SGLang's /get_load (deadline, no fixed sleep) until one request runs holding at
+    least `tokens` (prompt + output); fail at once if `task` (that request) ends first."""
+    deadline = time.monotonic() + 30
+    while True:
+        status, data = await client._call("GET", "/get_load")
+        assert status == 200 and isinstance(data, list) and len(data) == 1, data
+        load = data[0]
+        running = load["num_reqs"] - load["num_waiting_reqs"]
+        if running == 1 and load["num_tokens"] >= tokens:
+            return
+        if task.done():
+            raise AssertionError(f"the request ended before it was seen running: {task.result()}")
+        assert time.monotonic() < deadline, f"request not seen running; /get_load: {load}"
+        await asyncio.sleep(0.005)
+
+
 def test_in_place_update_mid_generation_stamps_each_token_with_its_version(server):
     """A weight update lands while a long request runs (pause in_place): tokens sampled before
     carry the old version, tokens after the new one, and the request finishes normally."""
     model = make_tiny_model(seed=11)
+    # The sync starts once a few tokens are sampled; ~2000 decode steps are then left, while
+    # its pause acts within one step of reaching the server: the update lands mid-generation
+    # by construction (the versions asserted below show it did). PROMPT + n < context 2048.
+    n = 2000
 
     async def go():
         async with EngineClient(server.url, timeout=60) as client:
             sender = WeightSender(group_name="inplace", timeout_s=GROUP_TIMEOUT)
             await sender.init_group([client], backend="gloo")
-            params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
+            params = {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}
             task = asyncio.create_task(client.generate_one(GenerateRequest(PROMPT, params)))
-            await asyncio.sleep(0.3)
+            await wait_mid_generation(client, task, len(PROMPT) + 4)
             await sender.sync(model.named_parameters(), 7, pause_mode="in_place")
             out = await task
             await sender.close()
         versions = out.token_versions()
-        assert out.finish_reason == "length" and len(versions) == 300
+        assert out.finish_reason == "length" and len(versions) == n
         assert versions == sorted(versions) and versions[-1] == 7 and versions[0] < 7
         assert out.version == 7
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.rollout import sglang_launch as sl
-from asyncrl.rollout.client import EngineClient
+from asyncrl.engine import sglang as sl
+from asyncrl.engine.client import EngineClient
+from asyncrl.net import free_port
 from asyncrl.weights.buckets import flat_layout
 from asyncrl.weights.group import _accelerator_group, broadcast, destroy_group
 from asyncrl.weights.sync import WeightSender
@@ -55,7 +56,7 @@ def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
 def start_fake(tmp_path: Path, tp: int, model_dir: Path) -> object:
     env = {"PYTHONPATH": os.pathsep.join([FAKE, os.environ.get("PYTHONPATH", "")])}
     settings = sl.SGLangSettings.parse({"env": env})
-    port = sl.free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = sl.server_command(model_dir, port, tp, settings)
     handle = sl.start_process(cmd, settings.env, url, tmp_path / f"fake_{port}.log")
@@ -135,7 +136,7 @@ def test_accelerator_route_rendezvous_matches_sglang_and_reforms_under_same_name
     """`_accelerator_group` is the nccl/hccl path; run through torch's helper with gloo it
     meets SGLang's receiver key for key, twice under one name (destroy frees the name)."""
     ctx = mp.get_context("spawn")
-    ports = [sl.free_port(), sl.free_port()]
+    ports = [free_port(), free_port()]
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_sglang_side, args=(ports, "weights_g", child), daemon=True)
     proc.start()

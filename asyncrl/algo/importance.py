@@ -11,8 +11,11 @@ The seed design (verl's Rollout IS PR), with `lr = old_log_prob - rollout_log_pr
 - veto: a sequence holding any valid token with lr_t < log(veto_threshold) (the true, unclamped
   per-token ratio) gets weight 0 everywhere; applied after truncate/clip.
 - then w = 0 wherever response_mask is 0. Weights are detached; the loss multiplies them in.
-- threshold None disables everything: (None, {}). `apply_rollout_is(rollout_is=False)` is the
-  metrics-only mode: full metrics, no weights.
+- threshold None disables everything: (None, {}). `RolloutIS(apply=False)` is the metrics-only
+  mode: full metrics, no weights.
+
+Every setting travels in one `RolloutIS`, validated when it is built (the verl-style flat
+`algorithm.rollout_is*` config keys map onto it in `asyncrl.learner.objective`).
 
 Metrics (python floats, prefix `mismatch/`, finite for finite input; conventions for empty
 masks in `mismatch_metrics`):
@@ -36,6 +39,7 @@ masks in `mismatch_metrics`):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -87,6 +91,48 @@ def _bounds(threshold: object, threshold_lower: object) -> tuple[float, float]:
             f"rollout_is_threshold_lower ({lower}) must not exceed rollout_is_threshold ({upper})"
         )
     return upper, lower
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutIS:
+    """The rollout IS settings (verl's `algorithm.rollout_is*` keys), checked when built: a bad
+    setting raises the same one-line ValueError the weights would, before any tensor is seen.
+
+    Defaults are the library's, not the config's: `threshold` None means IS is off.
+    """
+
+    apply: bool = True
+    """Multiply the weights into the loss (config `rollout_is`); False: metrics only."""
+    level: str = "token"
+    """Ratio aggregation, one of IS_LEVELS: per token, sequence product, geometric mean."""
+    mode: str = "truncate"
+    """One of IS_MODES: truncate caps at `threshold`; clip zeroes outside [lower, upper]."""
+    threshold: float | None = None
+    """Upper weight bound; None disables rollout IS entirely (no weights, no metrics)."""
+    threshold_lower: float | None = None
+    """Lower weight bound (clip mode, and the low-side metrics); None is 1 / threshold."""
+    veto_threshold: float | None = 1e-4
+    """A valid token whose true ratio is below this zeroes its sequence; None: no veto."""
+
+    def __post_init__(self) -> None:
+        """What the config validation checks too: the bounds only when IS is on."""
+        if not isinstance(self.apply, bool):
+            raise ValueError(f"rollout_is must be true or false; got {self.apply!r}")
+        check_choice("rollout_is_level", self.level, IS_LEVELS)
+        check_choice("rollout_is_mode", self.mode, IS_MODES)
+        if self.threshold is not None:
+            _bounds(self.threshold, self.threshold_lower)
+        if self.veto_threshold is not None:
+            positive_float("rollout_is_veto_threshold", self.veto_threshold)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether weights and metrics are computed at all (`threshold` is set)."""
+        return self.threshold is not None
+
+    def bounds(self) -> tuple[float, float]:
+        """(upper, lower) as floats, lower defaulting to 1 / upper; IS must be enabled."""
+        return _bounds(self.threshold, self.threshold_lower)
 
 
 def log_ratio(
@@ -170,23 +216,19 @@ def compute_rollout_importance_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    rollout_is_level: str = "token",
-    rollout_is_mode: str = "truncate",
-    rollout_is_threshold: float | None = None,
-    rollout_is_threshold_lower: float | None = None,
-    rollout_is_veto_threshold: float | None = 1e-4,
+    settings: RolloutIS,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Rollout IS weights [batch, seq_len] (detached) and `mismatch/` metrics; see the module doc.
 
-    `rollout_is_threshold=None` returns (None, {}). Nonzero `response_mask` entries are valid.
-    Weights come back in float32 (float64 if the log-probs are float64). The weights are built
-    on the padded matrix; every metric runs on the valid tokens, compacted once.
+    `settings.threshold` None returns (None, {}); `settings.apply` is not read here (see
+    `apply_rollout_is`). Nonzero `response_mask` entries are valid. Weights come back in
+    float32 (float64 if the log-probs are float64). The weights are built on the padded matrix;
+    every metric runs on the valid tokens, compacted once.
     """
-    check_choice("rollout_is_level", rollout_is_level, IS_LEVELS)
-    check_choice("rollout_is_mode", rollout_is_mode, IS_MODES)
-    if rollout_is_threshold is None:
+    if not settings.enabled:
         return None, {}
-    upper, lower = _bounds(rollout_is_threshold, rollout_is_threshold_lower)
+    upper, lower = settings.bounds()
+    level, mode = settings.level, settings.mode
     check_same_shape(
         old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask
     )
@@ -194,18 +236,18 @@ def compute_rollout_importance_weights(
         valid = response_mask.bool()
         tokens = mm.ValidTokens.of(valid)
         lr = log_ratio(old_log_prob, rollout_log_prob, valid)
-        log_w = _log_weights(lr, tokens, rollout_is_level)
+        log_w = _log_weights(lr, tokens, level)
         raw = log_w.clamp(min=-SAFETY_LOG_BOUND, max=SAFETY_LOG_BOUND).exp_()  # one buffer
-        vetoed, veto_stats = _veto(lr, valid, tokens, rollout_is_veto_threshold)
+        vetoed, veto_stats = _veto(lr, valid, tokens, settings.veto_threshold)
         keep = valid & ~vetoed.unsqueeze(-1)
-        bounded = _bound_weights(raw, rollout_is_mode, lower, upper)  # broadcast here if [B, 1]
+        bounded = _bound_weights(raw, mode, lower, upper)  # broadcast here if [B, 1]
         weights = torch.where(keep, bounded, torch.zeros((), dtype=raw.dtype, device=raw.device))
-        log_s, raw_s, seq_w = _samples(lr, log_w, raw, tokens, rollout_is_level)
+        log_s, raw_s, seq_w = _samples(lr, log_w, raw, tokens, level)
         stats = {
             **mm.weight_distribution(raw_s),
             "rollout_is_eff_sample_size": mm.effective_sample_size(raw_s, lower, upper),
             **mm.threshold_fractions(log_s, lower, upper),
-            **_mode_stats(raw_s, rollout_is_mode, lower, upper),
+            **_mode_stats(raw_s, mode, lower, upper),
             **veto_stats,
             **mm.sequence_stats(seq_w, tokens, lower, upper),
             **mm.mismatch_metrics(tokens.take(old_log_prob), tokens.take(rollout_log_prob), tokens),
@@ -217,30 +259,14 @@ def apply_rollout_is(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    rollout_is: bool = True,
-    rollout_is_level: str = "token",
-    rollout_is_mode: str = "truncate",
-    rollout_is_threshold: float | None = None,
-    rollout_is_threshold_lower: float | None = None,
-    rollout_is_veto_threshold: float | None = 1e-4,
+    settings: RolloutIS,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """verl's two switches in one call: threshold None → (None, {}); `rollout_is=False` →
-    metrics only (None, metrics); otherwise (weights, metrics). Keywords match the
-    `algorithm.rollout_is*` config keys."""
-    if not isinstance(rollout_is, bool):
-        raise ValueError(f"rollout_is must be true or false; got {rollout_is!r}")
+    """verl's two switches in one call: `settings.threshold` None → (None, {});
+    `settings.apply` False → metrics only (None, metrics); otherwise (weights, metrics)."""
     weights, metrics = compute_rollout_importance_weights(
-        old_log_prob,
-        rollout_log_prob,
-        response_mask,
-        rollout_is_level=rollout_is_level,
-        rollout_is_mode=rollout_is_mode,
-        rollout_is_threshold=rollout_is_threshold,
-        rollout_is_threshold_lower=rollout_is_threshold_lower,
-        rollout_is_veto_threshold=rollout_is_veto_threshold,
+        old_log_prob, rollout_log_prob, response_mask, settings
     )
-    return (weights if rollout_is else None), metrics
+    return (weights if settings.apply else None), metrics
 
 
 def normalize_weights_to_batch_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -269,7 +269,7 @@ class WeightSyncConfig:
 @dataclass
 class RolloutConfig:
     num_actors: int = 2
-    """Rollout actors (Ray actors), each driving its share of engines."""
+    """Rollout workers (each a Ray actor), each driving its share of engines."""
     reward_fn: str = "arithmetic_exact"
     """Reward by registry name or `package.module:function`."""
     max_inflight_prompts: int = 8
@@ -351,7 +351,7 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How weights travel from learner to engines."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Rollout actors, reward and transport."""
+    """Rollout workers, reward and transport."""
     actor_train: WorkerConfig = field(default_factory=WorkerConfig)
     """The learner (policy being trained)."""
     actor_infer: WorkerConfig = field(

@@ -29,7 +29,7 @@ RS_CRITERIA = tuple(
     + ["seq_max_k2", "seq_max_k3"]
 )
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-# Estimators an env run computes in the rollout actor (asyncrl.algo.episode keeps them equal).
+# Estimators an env run computes in the rollout worker (asyncrl.algo.episode keeps them equal).
 EPISODE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 # Strategy names per role; removed backends map to the error that names their replacement.

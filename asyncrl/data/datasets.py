@@ -3,7 +3,7 @@ messages column (exactly one); prompts rendered natively (the tokenizer's chat t
 
 Every other column is kept as per-row metadata for the reward (e.g. ``answer``). Bad input is a
 one-line ``DatasetError`` naming the file and row. The epoch order, the resumable position and
-the skipping of overlong prompts live in `asyncrl.rollout.prompts.PromptSource`.
+the skipping of overlong prompts live in `asyncrl.data.prompts.PromptSource`.
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ class ArithmeticTask:
         return sum(per_op[op] for op in self.ops)
 
 
+#: The task of the embedded default: the tiny model is warm-started on it
+#: (`asyncrl.models.tiny.TinyModelSpec.task`) and `asyncrl run` trains on it.
+EMBEDDED_TASK = ArithmeticTask()
+
+
 def solve(a: int, op: str, b: int) -> int:
     if op == "+":
         return a + b

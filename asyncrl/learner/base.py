@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -11,16 +12,8 @@ if TYPE_CHECKING:
     from asyncrl.types import TrajectoryGroup
 
 
-class Learner(Protocol):
-    """What the loop needs from a training backend; `version` counts optimizer updates."""
-
-    version: int
-
-    def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """One policy update from a rollout batch; returns metrics; version += 1."""
-
-    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under Hugging Face names, in a stable order."""
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores of a learner."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the learner (model, optimizer, scheduler, version)."""
@@ -28,20 +21,39 @@ class Learner(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
 
+    def save_pretrained(self, path: str | Path) -> None:
+        """The policy as a Hugging Face model directory (config.json + safetensors)."""
+
+
+class Learner(Checkpointable, Protocol):
+    """What the loop needs from a training backend; `version` counts optimizer updates."""
+
+    @property
+    def version(self) -> int: ...
+
+    def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """One policy update from a rollout batch; returns metrics; version += 1."""
+
+    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under Hugging Face names, in a stable order (one at a time)."""
+
+    def close(self) -> None:
+        """Release what the learner started (rank processes, process groups)."""
+
 
 def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
     """Build the learner for a strategy name; heavy backends are imported only when chosen.
     `world_size` > 1 runs the torch learner as that many data-parallel processes."""
     if name == "fsdp2_train" and world_size > 1:
-        from asyncrl.learner.distributed import DistributedTorchLearner
+        from asyncrl.learner.torch.distributed import DistributedTorchLearner
 
         return DistributedTorchLearner(world_size, **kwargs)
     if name == "fsdp2_train":
-        from asyncrl.learner.torch_learner import TorchLearner
+        from asyncrl.learner.torch.learner import TorchLearner
 
         return TorchLearner(**kwargs)
     if name == "megatron_train":
-        from asyncrl.learner.megatron import MegatronLearner  # type: ignore[import-not-found]
+        from asyncrl.learner.megatron.learner import MegatronLearner  # type: ignore[import-not-found]
 
         return MegatronLearner(**kwargs)
     raise ValueError(f"unknown learner strategy {name!r}; valid: fsdp2_train, megatron_train")

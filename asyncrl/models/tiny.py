@@ -17,11 +17,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.data.synthetic import ArithmeticTask, make_rows
+from asyncrl.data.synthetic import EMBEDDED_TASK, ArithmeticTask, make_rows
 from asyncrl.device import torch_threads
 
 # Bump when a change here alters what gets built: it is part of the cache key.
@@ -41,7 +41,7 @@ CHAT_TEMPLATE = (
 class TinyModelSpec:
     """Everything that determines the built model; its hash names the cache directory."""
 
-    task: ArithmeticTask = field(default_factory=ArithmeticTask)
+    task: ArithmeticTask = EMBEDDED_TASK
     hidden_size: int = 128
     intermediate_size: int = 384
     num_layers: int = 2

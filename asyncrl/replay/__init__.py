@@ -1,5 +1,8 @@
-"""Replay: the staleness-bounded queue between rollout actors and the learner (pure Python)."""
+"""Replay: admission (the staleness capacity rule and the run's in-flight ledger) and the group
+buffer, behind the `ReplayQueue` the loop uses (pure Python and numpy)."""
 
+from asyncrl.replay.admission import Admission, InFlightLedger, ReplayError
+from asyncrl.replay.buffer import DuplicateGroupError, GroupBuffer, staleness
 from asyncrl.replay.filters import (
     FILTER_FACTORIES,
     GroupFilter,
@@ -8,18 +11,15 @@ from asyncrl.replay.filters import (
     filter_name,
     length_filter,
 )
-from asyncrl.replay.queue import (
-    DuplicateGroupError,
-    ReplayConfig,
-    ReplayError,
-    ReplayQueue,
-    staleness,
-)
+from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 
 __all__ = [
     "FILTER_FACTORIES",
+    "Admission",
     "DuplicateGroupError",
+    "GroupBuffer",
     "GroupFilter",
+    "InFlightLedger",
     "ReplayConfig",
     "ReplayError",
     "ReplayQueue",

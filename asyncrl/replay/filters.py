@@ -2,7 +2,7 @@
 
 The replay queue applies them in order when a group is put; the first filter that returns False
 drops the group and is charged for it under its name (`filter_name`). A dropped group frees its
-admission slot, so a rollout actor can start a replacement prompt (see `queue.py`).
+admission slot, so a rollout worker can start a replacement prompt (see `admission.py`).
 
 Filters act on whole groups because group-normalised advantages (GRPO, DAPO) need every response
 of a prompt; masking single over-long responses out of the loss is the loss's job (`algo/`).

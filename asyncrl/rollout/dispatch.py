@@ -1,52 +1,54 @@
-"""Feeds prompts to rollout actors as fast as the replay queue's admission control allows.
+"""Feeds prompts to rollout workers as fast as the replay queue's admission allows.
 
-The dispatcher owns the in-flight ledger: every prompt it hands out is reserved in the queue
-(`reserve`), and stays in `inflight` until its group arrives (`ReplayQueue.put` clears the
-reservation) or its actor reports failure, in which case it goes back to `pending` and is
-re-issued first. So a prompt is either pending, in flight or delivered — never lost — and the
-checkpoint can save `pending + inflight` to re-issue on resume.
+The in-flight ledger is the run's one ledger, held by the replay queue's `admission`
+(`replay/admission.py`): the dispatcher admits fresh prompts into it (`reserve`, as pending),
+hands pending prompts to workers with free slots (`issue`, oldest first, so re-issues go
+first), frees a slot when a worker reports (`reported`) and puts a failed worker's prompts
+back to pending (`requeue`); the receive pump's `put` delivers a prompt. So a prompt is
+pending, in flight or delivered — never lost — and the checkpoint stores that ledger once.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from asyncrl.rollout.actor import PromptItem, PromptResult
+from asyncrl.data.prompts import PromptItem
+from asyncrl.replay.queue import ReplayQueue
+from asyncrl.rollout.settings import PromptResult
 
 
-class ActorPool(Protocol):
-    """How the dispatcher reaches actors (Ray in the loop, plain objects in tests)."""
+class WorkerPool(Protocol):
+    """How the dispatcher reaches rollout workers (Ray in the loop, plain objects in tests)."""
 
     def size(self) -> int: ...
 
-    def submit(self, actor: int, items: list[PromptItem]) -> Any:
-        """Start `items` on an actor; returns a handle for `poll`."""
+    def submit(self, worker: int, items: list[PromptItem]) -> Any:
+        """Start `items` on a worker; returns a handle for `poll`."""
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
-        """Finished submissions: (actor, handle, results or the exception that ended them).
-        The pool replaces a dead actor itself; its submissions come back as exceptions."""
+        """Finished submissions: (worker, handle, results or the exception that ended them).
+        The pool replaces a dead worker itself; its submissions come back as exceptions."""
 
 
 class Dispatcher:
+    """A thread: prompts → workers within admission, results → the ledger. Its own state
+    (`handles`, `counters`, `last_error`) is touched only by that thread."""
+
     def __init__(
         self,
-        pool: ActorPool,
-        queue: Any,
+        pool: WorkerPool,
+        queue: ReplayQueue,
         next_prompt: Callable[[], PromptItem],
-        max_inflight_per_actor: int,
+        max_inflight_per_worker: int,
     ) -> None:
-        self.pool, self.queue, self.next_prompt = pool, queue, next_prompt
-        self.max_inflight = max_inflight_per_actor
-        self.pending: deque[PromptItem] = deque()  # reserved, to be (re-)issued first
-        self.inflight: dict[str, tuple[int, PromptItem]] = {}
-        self.handles: dict[Any, list[str]] = {}
+        self.pool, self.next_prompt = pool, next_prompt
+        self.admission = queue.admission
+        self.max_inflight = max_inflight_per_worker
+        self.handles: dict[Any, list[str]] = {}  # submission handle -> its prompt keys
         self.counters = {"dispatched": 0, "reissued": 0, "failed_prompts": 0, "actor_failures": 0}
         self.last_error = ""
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="asyncrl-dispatch", daemon=True)
         self.error: BaseException | None = None
@@ -59,6 +61,12 @@ class Dispatcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+    def __enter__(self) -> Dispatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def _loop(self) -> None:
         try:
@@ -73,84 +81,54 @@ class Dispatcher:
             raise RuntimeError(f"dispatcher failed: {self.error}") from self.error
 
     # -- one round ---------------------------------------------------------------------------
-    def _load(self) -> list[int]:
-        load = [0] * self.pool.size()
-        for actor, _ in self.inflight.values():
-            load[actor] += 1
-        return load
-
     def dispatch_once(self) -> int:
-        """Hand prompts to actors with free slots, within the queue's admission capacity."""
+        """Hand prompts to workers with free slots: pending ones first, then fresh ones within
+        admission capacity. Returns how many were handed out."""
         sent = 0
-        with self._lock:
-            for actor, used in enumerate(self._load()):
-                free = self.max_inflight - used
-                items = self._take_items(free)
-                if not items:
-                    continue
-                handle = self.pool.submit(actor, items)
-                self.handles[handle] = [it.key for it in items]
-                for it in items:
-                    self.inflight[it.key] = (actor, it)
-                sent += len(items)
-                self.counters["dispatched"] += len(items)
+        for worker, used in enumerate(self.admission.load(self.pool.size())):
+            free = self.max_inflight - used
+            if free <= 0:
+                continue
+            self._admit_fresh(free - self.admission.pending())
+            items = [PromptItem(**p) for p in self.admission.issue(worker, free)]
+            if not items:
+                break  # nothing pending, no capacity: the next workers would get nothing too
+            handle = self.pool.submit(worker, items)
+            self.handles[handle] = [it.key for it in items]
+            sent += len(items)
+            self.counters["dispatched"] += len(items)
         return sent
 
-    def _take_items(self, free: int) -> list[PromptItem]:
-        items = []
-        while free > 0 and self.pending:
-            items.append(self.pending.popleft())
-            free -= 1
-        if free > 0:
-            granted = self.queue.capacity()
-            fresh = [self.next_prompt() for _ in range(min(free, granted))]
-            if fresh:
-                self.queue.reserve(len(fresh), [it.key for it in fresh])
-            items.extend(fresh)
-        return items
+    def _admit_fresh(self, wanted: int) -> None:
+        """Draw up to `wanted` new prompts, as many as admission grants, into the ledger."""
+        granted = min(wanted, self.admission.capacity())
+        if granted <= 0:
+            return
+        fresh = [self.next_prompt() for _ in range(granted)]
+        # Only this thread reserves and capacity never shrinks otherwise: all are granted.
+        self.admission.reserve(granted, [it.key for it in fresh], [vars(it) for it in fresh])
 
     def reap(self, timeout: float) -> None:
-        for actor, handle, outcome in self.pool.poll(timeout):
-            with self._lock:
-                keys = self.handles.pop(handle, [])
-                if isinstance(outcome, Exception):
-                    self.last_error = f"actor {actor}: {type(outcome).__name__}: {outcome}"[:300]
-                    self.counters["actor_failures"] += 1
-                    failed = keys
-                else:
-                    failed = [r.key for r in outcome if not r.ok]
-                    errors = [r.error for r in outcome if not r.ok]
-                    if errors:
-                        self.last_error = errors[-1]
-                for key in keys:
-                    actor_item = self.inflight.pop(key, None)
-                    if key in failed and actor_item is not None:
-                        self.pending.append(actor_item[1])  # still reserved: re-issue first
-                        self.counters["reissued"] += 1
-                self.counters["failed_prompts"] += len(failed)
-
-    # -- checkpoint --------------------------------------------------------------------------
-    def outstanding(self) -> list[PromptItem]:
-        """Prompts handed out but not delivered: re-issued on resume."""
-        with self._lock:
-            return list(self.pending) + [item for _, item in self.inflight.values()]
-
-    def restore(self, items: list[PromptItem]) -> None:
-        with self._lock:
-            self.pending.extend(items)
+        """Take finished submissions from the pool: delivered prompts free their worker's
+        slot, failed ones go back to pending (re-issued first)."""
+        for worker, handle, outcome in self.pool.poll(timeout):
+            keys = self.handles.pop(handle, [])
+            if isinstance(outcome, Exception):
+                error = f"rollout worker {worker}: {type(outcome).__name__}: {outcome}"
+                self.last_error = error[:300]
+                self.counters["actor_failures"] += 1
+                failed = keys
+            else:
+                done = {r.key for r in outcome if r.ok}
+                failed = [key for key in keys if key not in done]  # unanswered ones too
+                errors = [r.error for r in outcome if not r.ok]
+                if errors:
+                    self.last_error = errors[-1]
+                self.admission.reported(done, worker)
+            self.counters["reissued"] += self.admission.requeue(failed, worker)
+            self.counters["failed_prompts"] += len(failed)
 
     def metrics(self) -> dict[str, float]:
-        with self._lock:
-            out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
-            out["rollout/inflight_prompts"] = float(len(self.inflight) + len(self.pending))
+        out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
+        out["rollout/inflight_prompts"] = float(self.admission.running())
         return out
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Block until nothing is in flight (used by sync-mode tests and shutdown)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self.inflight:
-                    return True
-            time.sleep(0.01)
-        return False

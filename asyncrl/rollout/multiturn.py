@@ -7,7 +7,7 @@ generates from the ids of the whole history, the generated ids are appended exac
 observation's templated ids are appended (loss mask 0, version NOT_GENERATED, logprob 0). The
 history is never re-tokenized (see `chat_tokens.py`), so the ids the learner recomputes on are
 the ids the engine sampled from. The response is everything after the prompt. Limits:
-`env.max_turns` model turns and `max_total_tokens` (response_length) response tokens.
+`env.max_turns` model turns and `response_length` response tokens in all.
 
 Faults (nothing disappears silently):
 - an env that raises or outlives `env.step_timeout_s` in `step` fails its episode: its tokens
@@ -33,10 +33,16 @@ from typing import Any
 import numpy as np
 
 from asyncrl.algo.episode import episode_return, per_step_advantages, trajectory_advantages
+from asyncrl.data.prompts import PromptItem
 from asyncrl.envs.base import as_messages, check_step
 from asyncrl.envs.registry import make_env, resolve_env
-from asyncrl.rollout.actor import ActorSettings, PromptItem, _plain, request_seed
 from asyncrl.rollout.chat_tokens import TurnTemplate
+from asyncrl.rollout.settings import (
+    RolloutSettings,
+    plain_metadata,
+    request_seed,
+    sampling_params,
+)
 from asyncrl.types import NOT_GENERATED, TrajectoryGroup
 
 MAX_CONTINUATIONS = 4  # an aborted turn (pause_mode abort) is continued from its partial output
@@ -140,23 +146,22 @@ def run_in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
 class EpisodeBuilder:
     """Env seed → TrajectoryGroup of n concurrent episodes through the engines."""
 
-    def __init__(self, settings: ActorSettings) -> None:
+    def __init__(self, settings: RolloutSettings) -> None:
         from transformers import AutoTokenizer
 
-        from asyncrl.rollout.client import EngineClient
+        from asyncrl.engine.client import EngineClient
 
         if settings.env is None:
-            raise ValueError("EpisodeBuilder needs ActorSettings.env")
+            raise ValueError("EpisodeBuilder needs RolloutSettings.env")
         self.s, self.env_cfg = settings, settings.env
         resolve_env(self.env_cfg.name)  # a bad name or path fails when the actor starts
-        self.clients = [
-            EngineClient(u, timeout=settings.request_timeout_s) for u in settings.engine_urls
-        ]
+        timeout = settings.rollout.request_timeout_s
+        self.clients = [EngineClient(u, timeout=timeout) for u in settings.engine_urls]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.template = TurnTemplate(self.tokenizer, self.env_cfg.template)
         self.turn_tokens = self.env_cfg.max_tokens_per_turn or settings.max_new_tokens
-        self.max_total = settings.max_total_tokens or self.turn_tokens * self.env_cfg.max_turns
+        self.max_total = settings.response_length or self.turn_tokens * self.env_cfg.max_turns
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
         """n episodes of the env seed `item.metadata["env_seed"]`, scored, with advantages."""
@@ -240,12 +245,8 @@ class EpisodeBuilder:
         continued from its partial output, so a turn is never cut short by a weight sync."""
         s, out = self.s, TurnOutput([], [], [], "abort")
         for attempt in range(MAX_CONTINUATIONS + 1):
-            params = {
-                "max_new_tokens": max_new - len(out.ids),
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                "stop_token_ids": list(s.stop_token_ids),
-                "sampling_seed": request_seed(s.seed, f"{key}/t{turn}/c{attempt}", index),
-            }  # fmt: skip
+            seed = request_seed(s.seed, f"{key}/t{turn}/c{attempt}", index)
+            params = sampling_params(s.generating, max_new - len(out.ids), seed)
             request = {"input_ids": context + out.ids, "sampling_params": params}
             c = await client.generate_one({**request, "return_logprob": True})
             out.ids += c.output_ids
@@ -281,14 +282,18 @@ class EpisodeBuilder:
             }
             for ep, ok, ret, adv in zip(episodes, valid, returns, advantages, strict=True)
         ]
-        metadata = {"prompt_key": item.key, **_plain(item.metadata), **_counts(episodes, returns)}
+        metadata = {
+            "prompt_key": item.key,
+            **plain_metadata(item.metadata),
+            **_counts(episodes, returns),
+        }
         return TrajectoryGroup.from_responses(item.key, episodes[0].prompt_ids, responses, metadata)
 
     def _advantages(
         self, episodes: list[Episode], returns: list[float], valid: list[bool]
     ) -> list[np.ndarray]:
         """Token advantages per episode (see asyncrl.algo.episode for the two modes)."""
-        est, norm = self.s.adv_estimator, self.s.norm_adv_by_std_in_grpo
+        est, norm = self.s.algorithm.adv_estimator, self.s.algorithm.norm_adv_by_std_in_grpo
         if self.env_cfg.advantage_mode == "per_step":
             rewards = [ep.turn_rewards for ep in episodes]
             turns = per_step_advantages(rewards, valid, est, self.env_cfg.gamma, norm)
@@ -298,7 +303,7 @@ class EpisodeBuilder:
 
 
 def _counts(episodes: list[Episode], returns: list[float]) -> dict[str, Any]:
-    """Per-group episode counts for the loop's metrics (asyncrl.rollout.episode_metrics)."""
+    """Per-group episode counts for the loop's metrics (asyncrl.metrics.episodes)."""
     ok = [ep for ep in episodes if not ep.failed]
     counts: dict[str, Any] = {
         "env/episodes": len(episodes),

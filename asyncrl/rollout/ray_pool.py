@@ -1,6 +1,6 @@
-"""Rollout actors as Ray actors, behind the dispatcher's small `ActorPool` interface.
+"""Rollout workers as Ray actors, behind the dispatcher's small `WorkerPool` interface.
 
-An actor that dies (its process killed, an unhandled error) is replaced by a fresh one with the
+A worker that dies (its process killed, an unhandled error) is replaced by a fresh one with the
 same settings; every submission it held comes back from `poll` as an exception so the
 dispatcher re-issues those prompts. Ray starts locally unless `RAY_ADDRESS` names a cluster.
 """
@@ -12,13 +12,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.rollout.actor import ActorSettings, PromptItem, PromptResult, RolloutWorker
+from asyncrl.data.prompts import PromptItem
+from asyncrl.net import init_ray
+from asyncrl.rollout.settings import PromptResult, RolloutSettings
+from asyncrl.rollout.worker import RolloutWorker
 
 
-class _RayRolloutActor:
-    """The Ray-side shell: one RolloutWorker per actor process, called concurrently (async)."""
+class _RayRolloutWorker:
+    """The Ray-side shell: one RolloutWorker per Ray actor process, called concurrently."""
 
-    def __init__(self, settings: ActorSettings) -> None:
+    def __init__(self, settings: RolloutSettings) -> None:
         self.worker = RolloutWorker(settings)
 
     async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
@@ -28,30 +31,18 @@ class _RayRolloutActor:
         return os.getpid()
 
 
-def init_ray() -> None:
-    import ray
+class RayWorkerPool:
+    """`num_workers` rollout workers as Ray actors; worker i gets `settings_for(i)`."""
 
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # Actors take no CPU reservation: they are I/O-bound clients of the engines, and a
-        # 2-core laptop must still fit several of them.
-        ray.init(include_dashboard=False, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=True)
-
-
-class RayActorPool:
-    def __init__(self, settings_for: Callable[[int], ActorSettings], num_actors: int) -> None:
+    def __init__(self, settings_for: Callable[[int], RolloutSettings], num_workers: int) -> None:
         import ray
 
         init_ray()
         self._ray = ray
-        self._cls = ray.remote(num_cpus=0, max_concurrency=1000)(_RayRolloutActor)
+        self._cls = ray.remote(num_cpus=0, max_concurrency=1000)(_RayRolloutWorker)
         self._settings_for = settings_for
-        self.actors = [self._spawn(i) for i in range(num_actors)]
-        self.generation = [0] * num_actors
+        self.workers = [self._spawn(i) for i in range(num_workers)]
+        self.generation = [0] * num_workers
         self.refs: dict[Any, tuple[int, int]] = {}  # ref -> (actor, generation)
         self.restarts = 0
 
@@ -59,10 +50,10 @@ class RayActorPool:
         return self._cls.options(name=None).remote(self._settings_for(index))
 
     def size(self) -> int:
-        return len(self.actors)
+        return len(self.workers)
 
     def submit(self, actor: int, items: list[PromptItem]) -> Any:
-        ref = self.actors[actor].run_prompts.remote(items)
+        ref = self.workers[actor].run_prompts.remote(items)
         self.refs[ref] = (actor, self.generation[actor])
         return ref
 
@@ -87,20 +78,20 @@ class RayActorPool:
 
     def _replace(self, actor: int) -> None:
         try:
-            self._ray.kill(self.actors[actor], no_restart=True)
+            self._ray.kill(self.workers[actor], no_restart=True)
         except Exception:  # noqa: BLE001 - already dead
             pass
-        self.actors[actor] = self._spawn(actor)
+        self.workers[actor] = self._spawn(actor)
         self.generation[actor] += 1
         self.restarts += 1
 
     def pids(self) -> list[int]:
-        return self._ray.get([a.pid.remote() for a in self.actors])
+        return self._ray.get([a.pid.remote() for a in self.workers])
 
     def close(self) -> None:
-        for actor in self.actors:
+        for actor in self.workers:
             try:
                 self._ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-        self.actors = []
+        self.workers = []

@@ -13,6 +13,10 @@ msgspec against a fixed schema, extension types are refused, and array dtypes co
 allowlist (no object dtypes). The header library is msgspec: it measured faster than the
 `msgpack` package on these headers (bench/codec_choice.py, bench/results/codec_choice.json).
 
+At rest (checkpoints of the replay queue), a group is stored as the very same frames, length
+prefixed (`group_to_bytes`, `group_from_bytes`), and read back through `decode_group`: the wire
+and the stored format cannot drift apart.
+
 numpy arrays decode as read-only or frame-backed numpy views (no copy); torch tensors (any
 dtype in `TORCH_DTYPES`, bfloat16 and float8 included) decode as torch tensors, importing torch
 only when one arrives. This module imports neither torch nor Ray at load time.
@@ -152,7 +156,7 @@ def encode_group(
 ) -> list[Any]:
     """Frames for one TrajectoryGroup: a header and one frame per array field (8, or 9 with
     advantages)."""
-    arrays = {name: getattr(group, name) for name in _GROUP_WIRE}
+    arrays = {name: getattr(group, name) for name in _GROUP_ARRAYS}
     if arrays["advantages"] is None:
         del arrays["advantages"]
     # Only what the record's own validation does not already guarantee is checked here.
@@ -364,9 +368,13 @@ def _version_msg(version: int) -> str:
 
 def _frame_for(name: str, spec: _ArraySpec, views: list[memoryview], used: set[int]) -> memoryview:
     if spec.frame >= len(views) or spec.frame in used:
-        raise DecodeError(f"array {name!r}: frame {spec.frame} is missing or used twice")
+        raise DecodeError(_frame_problem(name, spec.frame))
     used.add(spec.frame)
     return views[spec.frame]
+
+
+def _frame_problem(name: str, frame: int) -> str:
+    return f"array {name!r}: frame {frame} is missing or used twice"
 
 
 def _import_arrays(specs: Mapping[str, _ArraySpec], views: list[memoryview]) -> dict[str, Any]:
@@ -423,65 +431,62 @@ def _import_torch(name: str, spec: _ArraySpec, count: int, view: memoryview) -> 
     return raw.view(dtype).reshape(spec.shape)
 
 
-_GROUP_WIRE = {name: NUMPY_DTYPES[np.dtype(dtype).name] for name, dtype in ARRAY_FIELDS}
-_GROUP_WIRE_NAMES = {name: np.dtype(dtype).name for name, dtype in ARRAY_FIELDS}
-_GROUP_REQUIRED = frozenset(_GROUP_WIRE) - {"advantages"}
-# field -> (dtype, wire dtype name, itemsize): one lookup per array on the hot path.
-_GROUP_FAST = {name: (d, _GROUP_WIRE_NAMES[name], d.itemsize) for name, d in _GROUP_WIRE.items()}
+# The one definition of a TrajectoryGroup's arrays on the wire, read by `encode_group` and
+# `_import_group_arrays` alike: field -> (little-endian dtype, wire dtype name, itemsize), one
+# tuple so the decoder's hot loop does one lookup per array. Only advantages may be absent.
+_GROUP_ARRAYS: dict[str, tuple[np.dtype, str, int]] = {
+    name: (NUMPY_DTYPES[np.dtype(d).name], np.dtype(d).name, np.dtype(d).itemsize)
+    for name, d in ARRAY_FIELDS
+}
+_GROUP_REQUIRED = frozenset(_GROUP_ARRAYS) - {"advantages"}
 
 
 def _import_group_arrays(
     specs: Mapping[str, _ArraySpec], views: list[memoryview]
 ) -> dict[str, np.ndarray]:
     """A TrajectoryGroup's arrays: exactly its fields, each 1-D numpy of its exact dtype,
-    frames 1.. used exactly once each; DecodeError naming the first problem otherwise."""
-    arrays = _group_arrays_fast(specs, views)
-    return arrays if arrays is not None else _group_arrays_explained(specs, views)
+    frames 1.. used exactly once each; DecodeError naming what is wrong otherwise.
 
-
-def _group_arrays_fast(
-    specs: Mapping[str, _ArraySpec], views: list[memoryview]
-) -> dict[str, np.ndarray] | None:
-    """The arrays if every check passes, else None: the same checks as
-    `_group_arrays_explained` as plain booleans, so a valid message builds no error text."""
+    The only statement of what a valid group layout is, and the hot path of every received
+    group: each check is a plain comparison and its text is built only once it has failed, so
+    a valid message pays for no message (a separate fast path would only be a second copy)."""
     count = len(views)
-    if not (_GROUP_REQUIRED <= specs.keys() <= _GROUP_FAST.keys() and len(specs) == count - 1):
-        return None
+    if not _GROUP_REQUIRED <= specs.keys() <= _GROUP_ARRAYS.keys():
+        missing = sorted(_GROUP_REQUIRED - specs.keys())
+        extra = sorted(specs.keys() - _GROUP_ARRAYS.keys())
+        raise DecodeError(f"group arrays: missing {missing}, unexpected {extra}")
+    if len(specs) != count - 1:
+        raise DecodeError(f"{len(specs)} arrays but {count - 1} side frames")
     out, used = {}, set()
     for name, spec in specs.items():
-        dtype, wire_name, itemsize = _GROUP_FAST[name]
+        dtype, wire_name, itemsize = _GROUP_ARRAYS[name]
         shape, frame = spec.shape, spec.frame
-        if spec.lib != "numpy" or spec.dtype != wire_name or len(shape) != 1 or frame >= count:
-            return None
+        if spec.lib != "numpy" or spec.dtype != wire_name or len(shape) != 1:
+            raise DecodeError(
+                f"group array {name!r}: expected 1-D numpy {wire_name}, "
+                f"got {len(shape)}-D {spec.lib} {spec.dtype}"
+            )
+        if frame >= count:  # and frame >= 1: `_ArraySpec` guarantees it
+            raise DecodeError(_frame_problem(name, frame))
         view = views[frame]
         if view.nbytes != shape[0] * itemsize:
-            return None
+            if frame in used:  # a reused frame is named as such, not as a size mismatch
+                raise DecodeError(_frame_problem(name, frame))
+            _check_nbytes(name, spec, shape[0] * itemsize, view)  # raises, with the sizes
         used.add(frame)
         out[name] = np.frombuffer(view, dtype)
     # len(specs) == count - 1 frames, each in 1..count-1: all distinct iff each used once.
-    return out if len(used) == len(specs) else None
-
-
-def _group_arrays_explained(
-    specs: Mapping[str, _ArraySpec], views: list[memoryview]
-) -> dict[str, np.ndarray]:
-    """`_group_arrays_fast`'s checks one by one, raising DecodeError at the first failure."""
-    names = set(specs)
-    if not _GROUP_REQUIRED <= names <= _GROUP_WIRE.keys():
-        missing, extra = sorted(_GROUP_REQUIRED - names), sorted(names - _GROUP_WIRE.keys())
-        raise DecodeError(f"group arrays: missing {missing}, unexpected {extra}")
-    if len(specs) != len(views) - 1:
-        raise DecodeError(f"{len(specs)} arrays but {len(views) - 1} side frames")
-    used: set[int] = set()
-    out = {}
-    for name, spec in specs.items():
-        dtype = _GROUP_WIRE[name]
-        if spec.lib != "numpy" or spec.dtype != _GROUP_WIRE_NAMES[name] or len(spec.shape) != 1:
-            raise DecodeError(
-                f"group array {name!r}: expected 1-D numpy {_GROUP_WIRE_NAMES[name]}, "
-                f"got {len(spec.shape)}-D {spec.lib} {spec.dtype}"
-            )
-        view = _frame_for(name, spec, views, used)
-        _check_nbytes(name, spec, spec.shape[0] * dtype.itemsize, view)
-        out[name] = np.frombuffer(view, dtype=dtype)
+    # Checked here, once, rather than per array: this loop is the decoder's hot path.
+    if len(used) != len(specs):
+        raise DecodeError(_frame_problem(*_first_reused(specs)))
     return out
+
+
+def _first_reused(specs: Mapping[str, _ArraySpec]) -> tuple[str, int]:
+    """The first array whose frame an earlier array already uses (there is one)."""
+    seen: set[int] = set()
+    for name, spec in specs.items():
+        if spec.frame in seen:
+            return name, spec.frame
+        seen.add(spec.frame)
+    raise AssertionError("no frame is used twice")  # pragma: no cover - caller's invariant

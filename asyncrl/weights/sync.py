@@ -24,10 +24,11 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from asyncrl.rollout.client import EngineClient, EngineError, free_port
+from asyncrl.net import free_port
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,
@@ -39,7 +40,52 @@ from asyncrl.weights.buckets import (
 )
 from asyncrl.weights.group import broadcast, create_group, destroy_group
 
-__all__ = ["SyncStats", "WeightSender", "WeightSyncError", "bucketize"]
+__all__ = ["SyncStats", "WeightSender", "WeightSource", "WeightSyncError", "WeightTarget"]
+
+
+class WeightTarget(Protocol):
+    """An engine as the sender sees it (SGLang's weight-update endpoints). A failed call raises
+    an exception; one with a `problem` attribute (the engine client's) is reported by it."""
+
+    url: str
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float | None,
+    ) -> object: ...
+
+    async def update_weights(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: int | None,
+        load_format: str | None,
+        group_name: str,
+        flush_cache: bool,
+        timeout_s: float | None,
+    ) -> object: ...
+
+    async def pause(self, mode: str) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def destroy_weights_update_group(self, group_name: str) -> object: ...
+
+
+class WeightSource(Protocol):
+    """What is synced: a learner's version and its full tensors under Hugging Face names."""
+
+    @property
+    def version(self) -> int: ...
+
+    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -117,7 +163,7 @@ class WeightSender:
     def __init__(self, *, group_name: str = "asyncrl_weights", timeout_s: float = 120.0) -> None:
         self.group_name = group_name
         self.timeout_s = timeout_s
-        self.engines: list[EngineClient] = []
+        self.engines: list[WeightTarget] = []
         self._group = None
         self._device = torch.device("cpu")
         self._broken: str | None = None
@@ -126,7 +172,7 @@ class WeightSender:
 
     async def init_group(
         self,
-        engines: Sequence[EngineClient],
+        engines: Sequence[WeightTarget],
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         backend: str = "gloo",
@@ -273,7 +319,7 @@ class WeightSender:
                     if t is mine:
                         culprits = self._culprits(calls, pending, str(exc))
                         raise self._fail(f"{what}: learner side failed ({culprits}): {exc}", mine)
-                    problem = exc.problem if isinstance(exc, EngineError) else repr(exc)
+                    problem = getattr(exc, "problem", None) or repr(exc)
                     # An engine may refuse a bucket after taking part in the broadcast: let our
                     # own side finish, so the group counts as broken only if it really is.
                     await asyncio.wait({mine}, timeout=max(deadline - loop.time(), 0))
@@ -308,10 +354,10 @@ class WeightSender:
         return WeightSyncError(message)
 
     async def _control(self, call, what: str) -> None:
-        async def one(e: EngineClient) -> None:
+        async def one(e: WeightTarget) -> None:
             try:
                 await asyncio.wait_for(call(e), self.timeout_s)
-            except (EngineError, TimeoutError) as exc:
+            except (RuntimeError, OSError, TimeoutError) as exc:  # the engine client's errors
                 raise WeightSyncError(f"{what} failed on engine {e.url}: {exc}") from None
 
         await asyncio.gather(*(one(e) for e in self.engines))

@@ -65,8 +65,8 @@ def configs(tp: int = 1, devices: str = "[0]"):
 def compare_with_torch(model_dir: Path, tp: int, devices: str) -> None:
     pytest.importorskip("megatron.core")
     from asyncrl.learner.logprobs import token_logprobs
-    from asyncrl.learner.megatron import MegatronLearner
-    from asyncrl.learner.torch_learner import TorchLearner
+    from asyncrl.learner.megatron.learner import MegatronLearner
+    from asyncrl.learner.torch.learner import TorchLearner
     from asyncrl.types import collate
 
     torch_cfg, meg_cfg = configs(tp, devices)
@@ -119,8 +119,8 @@ def test_nccl_broadcast_into_sglang_style_receiver(tmp_path, tiny_model):
     """Learner on GPU 0 (rank 0), a fake SGLang engine (tp 1) on GPU 1 joined SGLang's way:
     every byte of every bucket arrives, flattened and per tensor, over NCCL."""
     from asyncrl.device import SPECS
-    from asyncrl.rollout import sglang_launch as sl
-    from asyncrl.rollout.client import EngineClient
+    from asyncrl.engine import sglang as sl
+    from asyncrl.engine.client import EngineClient
     from asyncrl.weights.sync import WeightSender
 
     torch.cuda.set_device(0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.learner import hf_megatron as hm
+from asyncrl.learner.megatron import name_mapping as hm
 
 CFG = dict(
     model_type="qwen2",
@@ -158,7 +158,7 @@ def test_config_variants_and_refusals():
 def test_checkpoint_reader_and_writer_round_trip(tmp_path, tiny):
     """The lazy safetensors reader the Megatron loader uses, and the HF writer of
     save_pretrained: tensors come back bit-exact, with an index and the config files."""
-    from asyncrl.learner.megatron_weights import HFCheckpoint, save_hf
+    from asyncrl.learner.megatron.weights import HFCheckpoint, save_hf
 
     tiny.save_pretrained(tmp_path / "src")
     ckpt = HFCheckpoint(tmp_path / "src")

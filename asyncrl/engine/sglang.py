@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import DeviceSpec
-from asyncrl.rollout.hf_launch import EngineLaunchError, ServerHandle, free_port
+from asyncrl.engine.process import EngineLaunchError, ServerHandle
+from asyncrl.net import free_port
 
 OWN_KEYS = ("server_urls", "router", "router_policy", "router_args", "launch_timeout_s", "host")
 OWN_KEYS += ("env",)
@@ -210,12 +212,12 @@ def attach(url: str, timeout_s: float, tp_size: int) -> ServerHandle:
     return handle
 
 
-# ---- the launcher EngineSet uses ---------------------------------------------------------------
+# ---- the launcher EngineFleet uses ------------------------------------------------------------
 class SGLangLauncher:
     """Launches (or attaches to) the SGLang engines of `actor_infer`, and the router."""
 
     def __init__(
-        self, infer: Any, model_dir: Path, log_dir: Path, seed: int, device: DeviceSpec
+        self, infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int, device: DeviceSpec
     ) -> None:
         self.settings = SGLangSettings.parse(
             infer.strategy_args.strategy_config, infer.model_args.dtype
@@ -228,7 +230,7 @@ class SGLangLauncher:
             self.devices = engine_devices(infer.device_mapping, self.tp_size)
         self.num_engines = len(self.devices)
         self.router: ServerHandle | None = None
-        self._router_lock = threading.Lock()  # actors ask for URLs from several threads
+        self._router_lock = threading.Lock()  # workers ask for URLs from several threads
 
     def launch(self, index: int, port: int | None = None) -> ServerHandle:
         timeout = self.settings.launch_timeout_s
@@ -242,7 +244,7 @@ class SGLangLauncher:
         return wait_healthy(handle, "/health_generate", timeout, f"sglang engine {index}")
 
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
-        """Where rollout actors send /generate: the router when there is one, else the workers."""
+        """Where rollout workers send /generate: the router when there is one, else the workers."""
         wanted = self.settings.router
         if wanted is False or (wanted == "auto" and len(worker_urls) < 2):
             return list(worker_urls)

@@ -19,8 +19,8 @@ import torch
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
-from asyncrl.learner.common import correct, loss_params, lr_factor, micro_share, objective
 from asyncrl.learner.logprobs import batched_logprobs, select_rows, token_logprobs
+from asyncrl.learner.objective import correct, loss_params, lr_factor, micro_share, objective
 from asyncrl.types import TrajectoryGroup, collate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,7 +56,7 @@ class TorchLearner:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.reference = self._frozen_copy() if actor.use_kl_loss else None
         # Data parallel: every rank holds a replica; DDP all-reduces (averages) the gradients.
-        # The default process group must already exist (see asyncrl.learner.distributed).
+        # The default process group must already exist (see asyncrl.learner.torch.distributed).
         self.train_model: torch.nn.Module = self.model
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -237,6 +237,9 @@ class TorchLearner:
 
     def save_pretrained(self, path: str | Path) -> None:
         self.model.save_pretrained(path)
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process."""
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from asyncrl.rollout.hf_engine import HFEngine
+from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,

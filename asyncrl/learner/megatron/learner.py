@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from asyncrl.device import DeviceSpec, detect_device, device_spec
-from asyncrl.learner.megatron_worker import MegatronWorker, require_megatron
+from asyncrl.learner.megatron.worker import MegatronWorker, require_megatron
 
 __all__ = ["MegatronLearner", "require_megatron"]
 
@@ -63,7 +63,7 @@ class MegatronLearner:
         kwargs = dict(model_path=str(model_path), train=train, actor=actor, algorithm=algorithm,
                       temperature=temperature, total_steps=total_steps, seed=seed,
                       reference_path=reference_path)  # fmt: skip
-        from asyncrl.rollout.hf_launch import free_port
+        from asyncrl.net import free_port
 
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.model_path, self.remotes, self._ray = Path(model_path), [], None
@@ -76,7 +76,7 @@ class MegatronLearner:
     def _start_remotes(self, kwargs: dict, mapping: list[int], init: str, dev: DeviceSpec) -> None:
         import ray
 
-        from asyncrl.rollout.ray_pool import init_ray
+        from asyncrl.net import init_ray
 
         init_ray()
         self._ray = ray
@@ -128,7 +128,7 @@ class MegatronLearner:
             self._ray.get(pending)
 
     def save_pretrained(self, path: str | Path) -> None:
-        from asyncrl.learner.megatron_weights import save_hf
+        from asyncrl.learner.megatron.weights import save_hf
 
         save_hf(self.weights_for_sync(), self.model_path, Path(path))
 

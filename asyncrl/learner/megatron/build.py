@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from asyncrl.device import DeviceSpec
-from asyncrl.learner import hf_megatron as hm
-from asyncrl.learner import megatron_args as ma
-from asyncrl.learner import megatron_weights as mw
+from asyncrl.learner.megatron.args import TRANSFORMER, MegatronConfigError, MegatronPlan
+from asyncrl.learner.megatron.name_mapping import ModelShape
+from asyncrl.learner.megatron.weights import HFCheckpoint, load_hf_into, stage_layout, unwrap
 
 
 @dataclass
@@ -40,7 +40,7 @@ def init_distributed(device: DeviceSpec, rank: int, world: int, init_method: str
     elif device.kind == "npu":
         torch.npu.set_device(local)  # type: ignore[attr-defined]
     if not torch.distributed.is_initialized():
-        from asyncrl.rollout.hf_launch import free_port
+        from asyncrl.net import free_port
 
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         torch.distributed.init_process_group(
@@ -48,15 +48,15 @@ def init_distributed(device: DeviceSpec, rank: int, world: int, init_method: str
         )
 
 
-def init_parallel(plan: ma.MegatronPlan, seed: int) -> None:
+def init_parallel(plan: MegatronPlan, seed: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     par = plan.parallel
     if (par["virtual_pipeline_model_parallel_size"] or 1) > 1:
-        raise ma.MegatronConfigError("virtual pipeline stages are not supported by asyncrl yet")
+        raise MegatronConfigError("virtual pipeline stages are not supported by asyncrl yet")
     if par["context_parallel_size"] > 1:
-        raise ma.MegatronConfigError(
+        raise MegatronConfigError(
             "context_parallel_size > 1 is not supported yet: the RL batch is not split along "
             "the sequence for CP ranks"
         )
@@ -79,7 +79,7 @@ def bridge_class(wanted: bool | str) -> Any:
     return AutoBridge
 
 
-def transformer_config(plan: ma.MegatronPlan, device: DeviceSpec) -> Any:
+def transformer_config(plan: MegatronPlan, device: DeviceSpec) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -90,7 +90,7 @@ def transformer_config(plan: ma.MegatronPlan, device: DeviceSpec) -> Any:
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
     if extra and device.kind != "npu":
-        raise ma.MegatronConfigError(
+        raise MegatronConfigError(
             f"override_transformer_config.{next(iter(extra))} is not a TransformerConfig field "
             "of this megatron-core (MindSpeed's keys need the Ascend stack)"
         )
@@ -100,7 +100,7 @@ def transformer_config(plan: ma.MegatronPlan, device: DeviceSpec) -> Any:
     return config
 
 
-def layer_spec(plan: ma.MegatronPlan, config: Any, device: DeviceSpec) -> tuple[Any, bool]:
+def layer_spec(plan: MegatronPlan, config: Any, device: DeviceSpec) -> tuple[Any, bool]:
     impl = plan.transformer_impl
     if impl == "auto":
         try:
@@ -116,7 +116,7 @@ def layer_spec(plan: ma.MegatronPlan, config: Any, device: DeviceSpec) -> tuple[
             qk_layernorm=config.qk_layernorm
         ), True
     if config.sequence_parallel and device.kind != "npu":  # MindSpeed patches the local norm
-        raise ma.MegatronConfigError(
+        raise MegatronConfigError(
             "sequence_parallel needs transformer_impl: transformer_engine (Megatron's local layer "
             "spec normalises with torch's RMSNorm, which refuses it)"
         )
@@ -124,7 +124,7 @@ def layer_spec(plan: ma.MegatronPlan, config: Any, device: DeviceSpec) -> tuple[
     return spec, False
 
 
-def build_builtin(plan: ma.MegatronPlan, shape: hm.ModelShape, path: Path, device: DeviceSpec,
+def build_builtin(plan: MegatronPlan, shape: ModelShape, path: Path, device: DeviceSpec,
                   trainable: bool) -> Built:  # fmt: skip
     """GPTModel for this pipeline stage with this rank's HF weight shards loaded."""
     from megatron.core import parallel_state as ps
@@ -136,9 +136,9 @@ def build_builtin(plan: ma.MegatronPlan, shape: hm.ModelShape, path: Path, devic
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), **plan.model)  # fmt: skip
-    layout = mw.stage_layout(config, ps.get_pipeline_model_parallel_world_size())
+    layout = stage_layout(config, ps.get_pipeline_model_parallel_world_size())
     offset = layout[ps.get_pipeline_model_parallel_rank()][0]
-    mw.load_hf_into(model, mw.HFCheckpoint(path), shape, te, offset)
+    load_hf_into(model, HFCheckpoint(path), shape, te, offset)
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     if not trainable:
@@ -146,7 +146,7 @@ def build_builtin(plan: ma.MegatronPlan, shape: hm.ModelShape, path: Path, devic
     return Built(model, te, layout)
 
 
-def build_with_bridge(auto_bridge: Any, plan: ma.MegatronPlan, sc: dict, path: Path,
+def build_with_bridge(auto_bridge: Any, plan: MegatronPlan, sc: dict, path: Path,
                       trainable: bool) -> Built:  # fmt: skip
     """AutoBridge: provider from the HF config, our parallel sizes and knobs, HF weights; the
     provider wraps the trainable model in DDP itself."""
@@ -155,7 +155,7 @@ def build_with_bridge(auto_bridge: Any, plan: ma.MegatronPlan, sc: dict, path: P
 
     bridge = auto_bridge.from_hf_pretrained(str(path))
     provider = bridge.to_megatron_provider(load_weights=True)
-    knobs = {k: sc[k] for k in ma.TRANSFORMER if k in sc}
+    knobs = {k: sc[k] for k in TRANSFORMER if k in sc}
     knobs.update({k: v for k, v in sc.items() if k.startswith("moe_")})
     knobs.update(dict(sc.get("override_transformer_config") or {}))
     for key, value in {**plan.parallel, **knobs}.items():
@@ -166,12 +166,12 @@ def build_with_bridge(auto_bridge: Any, plan: ma.MegatronPlan, sc: dict, path: P
         bf16=plan.optimizer["bf16"], fp16=plan.optimizer["fp16"],
     )  # fmt: skip
     model = chunks[0] if trainable else chunks[0].eval().requires_grad_(False)
-    config = mw.unwrap(model).config
-    layout = mw.stage_layout(config, ps.get_pipeline_model_parallel_world_size())
+    config = unwrap(model).config
+    layout = stage_layout(config, ps.get_pipeline_model_parallel_world_size())
     return Built(model, True, layout, bridge)
 
 
-def wrap(built: Built, plan: ma.MegatronPlan) -> tuple[torch.nn.Module, Any, Any]:
+def wrap(built: Built, plan: MegatronPlan) -> tuple[torch.nn.Module, Any, Any]:
     """(DDP model, Megatron optimizer, TransformerConfig) with the schedule's hooks set."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -180,7 +180,7 @@ def wrap(built: Built, plan: ma.MegatronPlan) -> tuple[torch.nn.Module, Any, Any
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    config = mw.unwrap(built.model).config
+    config = unwrap(built.model).config
     if built.bridge is not None:
         ddp = built.model
     else:

@@ -8,7 +8,9 @@ One scheduler thread owns the model. Each iteration, under `step_lock`:
   3. finished rows (stop token, max_new_tokens, context limit) leave the batch and are
      answered.
 Control calls (pause/continue/abort/flush/weight load) take `step_lock`, so they act between
-steps and never see a half-done step. Lock order is always `step_lock` then `_cond`.
+steps and never see a half-done step; `step_lock` is fair to them (a waiting control call goes
+before the next step), so one acts within the step in progress. Lock order is always
+`step_lock` then `_cond`.
 
 Pause modes (SGLang's): `abort` finishes every running and waiting request now with
 finish_reason abort (partial output returned); `retract` drops the running rows' KV and puts
@@ -19,19 +21,63 @@ stops stepping (KV kept). In every mode new requests queue until `resume()`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import random
 import threading
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
 
-from asyncrl.rollout.hf_batch import KVBatch, Seq, merge, sample
+from asyncrl.engine.hf.batch import KVBatch, Seq, merge, sample
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class StepLock:
+    """The engine's `step_lock`: a re-entrant lock that a waiting control call gets next.
+
+    A bare RLock is not fair: the scheduler thread re-takes it right after letting it go, so a
+    pause, abort or weight load could wait hundreds of steps for it. Control calls use it as a
+    plain lock (`with engine.step_lock`); the scheduler enters each step through `step()`,
+    which first lets every control call already waiting through. So a control call waits for
+    the step in progress at most.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0  # control calls blocked in acquire()
+
+    def acquire(self) -> bool:
+        with self._cond:
+            self._waiting += 1
+        try:
+            return self._lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """For the scheduler: hold the lock for one step, after any waiting control call."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._waiting == 0)
+        with self._lock:
+            yield
 
 
 class HFEngine:
@@ -49,7 +95,7 @@ class HFEngine:
         accepts = inspect.signature(model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self.weight_version = "default"
-        self.step_lock = threading.RLock()
+        self.step_lock = StepLock()
         self._cond = threading.Condition(threading.Lock())
         self._waiting: deque[Seq] = deque()
         self._batch: KVBatch | None = None
@@ -129,6 +175,17 @@ class HFEngine:
             running = 0 if self._batch is None else len(self._batch.seqs)
             return running + len(self._waiting)
 
+    def load(self) -> dict[str, int]:
+        """SGLang's `/get_load` numbers, read between steps: requests running or waiting, those
+        waiting, and the tokens (prompt + output) the running requests hold in KV."""
+        with self.step_lock, self._cond:
+            running = [] if self._batch is None else self._batch.seqs
+            return {
+                "num_reqs": len(running) + len(self._waiting),
+                "num_waiting_reqs": len(self._waiting),
+                "num_tokens": sum(len(s.prompt) + len(s.output_ids) for s in running),
+            }
+
     def flush_cache(self) -> bool:
         """There is no prefix cache to drop; refuse (False) while any request holds KV.
 
@@ -143,7 +200,7 @@ class HFEngine:
     def _run(self) -> None:
         try:
             while self._wait_for_work():
-                with self.step_lock:
+                with self.step_lock.step():
                     with self._cond:
                         if self._paused:
                             continue

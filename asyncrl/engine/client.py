@@ -15,14 +15,6 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-# Re-exported: launching the hf server belongs with the client that drives it.
-from asyncrl.rollout.hf_launch import (  # noqa: F401
-    EngineLaunchError,
-    ServerHandle,
-    free_port,
-    launch_hf_server,
-)
-
 FINISH_TYPES = ("stop", "length", "abort")
 
 

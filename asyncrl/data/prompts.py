@@ -1,4 +1,4 @@
-"""Prompts for the rollout actors: the configured dataset (or the embedded task) as PromptItems.
+"""Prompts for the rollout workers: the configured dataset (or the embedded task) as PromptItems.
 
 Keys are `e<epoch>-i<index>`, unique over the run, and become group ids, so a prompt re-issued
 after a failure can never be trained on twice (the replay queue rejects the duplicate id).
@@ -11,17 +11,28 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.data import datasets
 from asyncrl.data.datasets import DatasetError, PromptRecord
-from asyncrl.rollout.actor import PromptItem
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_TRAIN_ROWS = 8000
+
+
+@dataclass
+class PromptItem:
+    """One prompt handed to a rollout worker; `key` is unique over the run and becomes the group
+    id. Env runs carry `metadata["env_seed"]` and no ids (the episode builder templates them)."""
+
+    key: str
+    prompt_ids: list[int]
+    prompt_text: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def _records(source: str, rows: list[dict[str, Any]]) -> list[PromptRecord]:
@@ -37,7 +48,7 @@ def load_prompt_records(cfg: Config) -> tuple[list[PromptRecord], list[PromptRec
     """`(train, held-out)` records of a run: env seeds, the data files, or the embedded task."""
     data = cfg.actor_train.data_args
     if cfg.env is not None:  # env runs: the prompts are env seeds, no held-out split
-        from asyncrl.rollout.env_prompts import seed_rows
+        from asyncrl.data.env_prompts import seed_rows
 
         return _records("env", seed_rows(cfg.env)), []
     if data.file_name:
@@ -46,10 +57,9 @@ def load_prompt_records(cfg: Config) -> tuple[list[PromptRecord], list[PromptRec
             datasets.load_records(data.file_name, data.prompt, data.messages),
             datasets.load_records(heldout, data.prompt, data.messages) if heldout else [],
         )
-    from asyncrl.data.synthetic import make_rows
-    from asyncrl.models.tiny import DEFAULT_SPEC
+    from asyncrl.data.synthetic import EMBEDDED_TASK, make_rows
 
-    task = DEFAULT_SPEC.task
+    task = EMBEDDED_TASK
     train = make_rows(task, "train", EMBEDDED_TRAIN_ROWS, seed=cfg.seed)
     heldout = make_rows(task, "heldout", cfg.logging.eval_size, seed=cfg.seed)
     return _records("embedded", train), _records("embedded", heldout)

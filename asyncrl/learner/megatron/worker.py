@@ -5,7 +5,7 @@ GPTModel on Megatron's local layer spec (or Transformer Engine's) with HF weight
 shard by shard -> Float16Module (bf16/fp16) -> DistributedDataParallel -> Megatron optimizer.
 With Megatron-Bridge installed (and `use_bridge` not false) `AutoBridge` builds and converts.
 
-Step: the same as the torch learner (`asyncrl.learner.common`), with logprobs from
+Step: the same as the torch learner (`asyncrl.learner.objective`), with logprobs from
 vocab-parallel cross-entropy over `logits / temperature` and Megatron's pipeline schedule
 driving micro-batches. Rows are split over data-parallel ranks; the proximal (and reference)
 logprobs of the whole batch are gathered so IS, rejection and batch normalisation see the batch.
@@ -24,12 +24,27 @@ import torch
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
-from asyncrl.learner import hf_megatron as hm
-from asyncrl.learner import megatron_args as ma
-from asyncrl.learner import megatron_batch as mb
-from asyncrl.learner import megatron_build as mbuild
-from asyncrl.learner import megatron_weights as mw
-from asyncrl.learner.common import correct, loss_params, lr_factor, micro_share, objective
+from asyncrl.learner.megatron.args import check_options, plan
+from asyncrl.learner.megatron.batch import (
+    entropy_from_partials,
+    entropy_partials,
+    gather_response,
+    micro_batches,
+    right_align,
+    shard_rows,
+)
+from asyncrl.learner.megatron.build import (
+    Built,
+    bridge_class,
+    build_builtin,
+    build_with_bridge,
+    init_distributed,
+    init_parallel,
+    wrap,
+)
+from asyncrl.learner.megatron.name_mapping import ModelShape
+from asyncrl.learner.megatron.weights import export_hf, export_with_bridge, load_hf_into, save_hf
+from asyncrl.learner.objective import correct, loss_params, lr_factor, micro_share, objective
 from asyncrl.types import collate
 
 
@@ -55,34 +70,34 @@ class MegatronWorker:
         self.lr_factor = lr_factor(train.training_args, actor.optim, total_steps)
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
         self.loss_params = loss_params(actor)
-        mbuild.init_distributed(self.device, rank, world_size, init_method, local_device)
+        init_distributed(self.device, rank, world_size, init_method, local_device)
         hf = json.loads((self.model_path / "config.json").read_text())
         self.vocab_size = hf["vocab_size"]
         self.sc = dict(train.strategy_args.strategy_config)
-        ma.check_options(self.sc)
-        self.auto_bridge = mbuild.bridge_class(self.sc.get("use_bridge", "auto"))
+        check_options(self.sc)
+        self.auto_bridge = bridge_class(self.sc.get("use_bridge", "auto"))
         tp = int(self.sc.get("tensor_model_parallel_size") or 1)
         self.shape = None
         if self.auto_bridge is None:
-            self.shape = hm.ModelShape.from_hf_config(hf).padded_to(tp)
+            self.shape = ModelShape.from_hf_config(hf).padded_to(tp)
         rows = self.shape.vocab_rows if self.shape else 0
-        self.plan = ma.plan(train, actor.optim, hf, rows, builtin=self.shape is not None)
-        mbuild.init_parallel(self.plan, seed)
+        self.plan = plan(train, actor.optim, hf, rows, builtin=self.shape is not None)
+        init_parallel(self.plan, seed)
         self.built = self._build(self.model_path, trainable=True)
         self.reference = None
         if actor.use_kl_loss:  # the reference policy (megatron_infer): frozen, same layout
             ref_path = Path(reference_path or model_path)
             self.reference = self._build(ref_path, trainable=False).model
-        self.ddp, self.optimizer, self.config = mbuild.wrap(self.built, self.plan)
+        self.ddp, self.optimizer, self.config = wrap(self.built, self.plan)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    def _build(self, path: Path, trainable: bool) -> mbuild.Built:
+    def _build(self, path: Path, trainable: bool) -> Built:
         if self.auto_bridge is not None:
-            return mbuild.build_with_bridge(self.auto_bridge, self.plan, self.sc, path, trainable)
-        return mbuild.build_builtin(self.plan, self.shape, path, self.device, trainable)
+            return build_with_bridge(self.auto_bridge, self.plan, self.sc, path, trainable)
+        return build_builtin(self.plan, self.shape, path, self.device, trainable)
 
     # -- parallel helpers --------------------------------------------------------------------
     def _ranks(self) -> tuple[int, int, bool]:
@@ -103,7 +118,7 @@ class MegatronWorker:
         padded[: len(part)] = part
         out = torch.empty(dp * width, *part.shape[1:], dtype=part.dtype, device=part.device)
         torch.distributed.all_gather_into_tensor(out, padded, group=ps.get_data_parallel_group())
-        keep = [torch.arange(len(mb.shard_rows(rows, dp, r))) + r * width for r in range(dp)]
+        keep = [torch.arange(len(shard_rows(rows, dp, r))) + r * width for r in range(dp)]
         return out[torch.cat(keep).to(out.device)]
 
     # -- logprobs ----------------------------------------------------------------------------
@@ -118,8 +133,8 @@ class MegatronWorker:
         # vocab_parallel_cross_entropy shifts its input in place: give it its own copy
         ce_in = scaled.clone() if ent is not None else scaled
         per_pos = -tensor_parallel.vocab_parallel_cross_entropy(ce_in, data["labels"][idx])
-        lp = mb.gather_response(per_pos, data["resp_index"][idx])
-        return lp, (mb.gather_response(ent, data["resp_index"][idx]) if ent is not None else None)
+        lp = gather_response(per_pos, data["resp_index"][idx])
+        return lp, (gather_response(ent, data["resp_index"][idx]) if ent is not None else None)
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocabulary rows added to reach a multiple of TP are not tokens: exclude them from
@@ -141,12 +156,12 @@ class MegatronWorker:
         torch.distributed.all_reduce(
             m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group()
         )
-        s, w = mb.entropy_partials(logits, m)
+        s, w = entropy_partials(logits, m)
         s, w = (
             reduce_from_tensor_model_parallel_region(s),
             reduce_from_tensor_model_parallel_region(w),
         )
-        return mb.entropy_from_partials(m, s, w)
+        return entropy_from_partials(m, s, w)
 
     def _run(self, model, data, micro, loss_of, forward_only: bool) -> list:
         """Megatron's schedule over `micro` (row-index tensors); loss_of(idx, logits)."""
@@ -168,8 +183,8 @@ class MegatronWorker:
         """Logprobs of every row of the batch (each DP rank scores its shard, then gather)."""
         dp, dp_rank, last = self._ranks()
         rows = data["tokens"].shape[0]
-        mine = mb.shard_rows(rows, dp, dp_rank).to(data["tokens"].device)
-        micro = mb.micro_batches(mine, self.train.infer_batch_size) or [mine[:0]]
+        mine = shard_rows(rows, dp, dp_rank).to(data["tokens"].device)
+        micro = micro_batches(mine, self.train.infer_batch_size) or [mine[:0]]
 
         def loss_of(idx, logits):
             lp, _ = self._token_logprobs(logits, data, idx, entropy=False)
@@ -190,7 +205,7 @@ class MegatronWorker:
         if data["input_ids"].shape[0] < self._ranks()[0]:
             raise ValueError("the rollout batch has fewer sequences than data-parallel ranks")
         multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        data.update(mb.right_align(data, self.pad_id, multiple))
+        data.update(right_align(data, self.pad_id, multiple))
         return data
 
     def logprobs(self, groups: list) -> torch.Tensor | None:
@@ -238,7 +253,7 @@ class MegatronWorker:
             )
             for start in range(0, rows, mini):
                 batch = order[start : start + mini]
-                mine = batch[mb.shard_rows(len(batch), dp, dp_rank)]
+                mine = batch[shard_rows(len(batch), dp, dp_rank)]
                 for key, value in self._mini_batch(data, prep, mine, batch).items():
                     sums[key] = sums.get(key, 0.0) + value
                 updates += 1
@@ -249,7 +264,7 @@ class MegatronWorker:
         averages over DP ranks; the loss is scaled back so the gradient is the mini-batch's."""
         dp, _, last = self._ranks()
         dev = data["tokens"].device
-        micro = mb.micro_batches(mine.to(dev), self.train.training_args.per_device_train_batch_size)
+        micro = micro_batches(mine.to(dev), self.train.training_args.per_device_train_batch_size)
         empty = not micro  # no rows here: a zero-weighted pass keeps the collectives matched
         micro = micro or [batch[:1].to(dev)]
         totals = None
@@ -266,7 +281,7 @@ class MegatronWorker:
             group["lr"] = self.train.training_args.learning_rate * self.lr_factor(self.lr_step)
         _, grad_norm, _ = self.optimizer.step()
         self.lr_step += 1
-        metrics = self._mean_metrics(outs, micro) if last else {}
+        metrics = self._mean_metrics(outs) if last else {}
         metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         return metrics
 
@@ -281,7 +296,7 @@ class MegatronWorker:
         metrics["_rows"] = float(len(idx))
         return loss * share * scale, metrics
 
-    def _mean_metrics(self, outs: list, micro: list) -> dict[str, float]:
+    def _mean_metrics(self, outs: list) -> dict[str, float]:
         """Row-weighted mean over micro-batches, then over DP ranks."""
         from megatron.core import parallel_state as ps
 
@@ -298,8 +313,8 @@ class MegatronWorker:
         if self.plan.ddp.get("overlap_param_gather"):
             self.ddp.start_param_sync(force_sync=True)
         if self.built.bridge is not None:
-            return mw.export_with_bridge(self.built.bridge, [self.ddp])
-        return mw.export_hf(self.ddp, self.shape, self.built.te, self.built.layout)
+            return export_with_bridge(self.built.bridge, [self.ddp])
+        return export_hf(self.ddp, self.shape, self.built.te, self.built.layout)
 
     def load_hf(self, named: dict[str, torch.Tensor]) -> None:
         """Load full HF-named tensors (a checkpoint's model) into this rank's shards."""
@@ -309,9 +324,9 @@ class MegatronWorker:
             import tempfile
 
             with tempfile.TemporaryDirectory() as tmp:
-                mw.save_hf(iter(named.items()), self.model_path, Path(tmp))
+                save_hf(iter(named.items()), self.model_path, Path(tmp))
                 self.built.bridge.load_hf_weights([self.ddp], hf_path=tmp)
         else:
             offset = self.built.layout[ps.get_pipeline_model_parallel_rank()][0]
-            mw.load_hf_into(self.ddp, named.__getitem__, self.shape, self.built.te, offset)
+            load_hf_into(self.ddp, named.__getitem__, self.shape, self.built.te, offset)
         self.optimizer.reload_model_params()  # refresh the fp32 main copies from the model

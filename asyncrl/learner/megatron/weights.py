@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 
-from asyncrl.learner import hf_megatron as hm
+from asyncrl.learner.megatron.name_mapping import (
+    MappingError,
+    ModelShape,
+    Rule,
+    rules,
+    to_hf,
+    to_megatron,
+    tp_merge,
+    tp_split,
+    with_layer_offset,
+)
 
 
 class HFCheckpoint:
@@ -44,7 +54,7 @@ class HFCheckpoint:
         from safetensors import safe_open
 
         if name not in self.where:
-            raise hm.MappingError(f"{self.root}: no tensor {name!r} in the checkpoint")
+            raise MappingError(f"{self.root}: no tensor {name!r} in the checkpoint")
         file = self.where[name]
         if file not in self._open:
             self._open[file] = safe_open(self.root / file, "pt")
@@ -67,20 +77,20 @@ def stage_layout(config: Any, pp: int) -> list[tuple[int, int]]:
     return [(o, e - o) for o, e in zip(offsets, ends)]
 
 
-def owner_stage(rule: hm.Rule, layout: list[tuple[int, int]]) -> int:
+def owner_stage(rule: Rule, layout: list[tuple[int, int]]) -> int:
     if rule.layer is not None:
         return next(s for s, (o, n) in enumerate(layout) if o <= rule.layer < o + n)
     return 0 if rule.mcore.startswith("embedding.") else len(layout) - 1
 
 
-def _local_name(rule: hm.Rule, offset: int) -> str:
-    return rule.mcore if rule.layer is None else hm.with_layer_offset(rule.mcore, -offset)
+def _local_name(rule: Rule, offset: int) -> str:
+    return rule.mcore if rule.layer is None else with_layer_offset(rule.mcore, -offset)
 
 
 def load_hf_into(
     model: torch.nn.Module,
     get_hf: Callable[[str], torch.Tensor],
-    shape: hm.ModelShape,
+    shape: ModelShape,
     te: bool,
     offset: int,
 ) -> None:
@@ -89,24 +99,24 @@ def load_hf_into(
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     params = dict(unwrap(model).named_parameters())
-    rules = hm.rules(shape, te)
-    by_local = {_local_name(r, offset): r for r in rules}
+    shape_rules = rules(shape, te)
+    by_local = {_local_name(r, offset): r for r in shape_rules}
     if shape.tie_word_embeddings:  # a last pipeline stage holds its own copy of the embedding
-        by_local["output_layer.weight"] = rules[0]
+        by_local["output_layer.weight"] = shape_rules[0]
     missing = sorted(n for n in params if n not in by_local)
     if missing:
-        raise hm.MappingError(f"no HF source for Megatron parameters {missing[:3]}")
+        raise MappingError(f"no HF source for Megatron parameters {missing[:3]}")
     with torch.no_grad():
         for name, param in params.items():
             rule = by_local[name]
-            full = hm.to_megatron(rule, [get_hf(n) for n in rule.hf], shape)
-            shard = hm.tp_split(rule, full, tp, shape)[tp_rank]
+            full = to_megatron(rule, [get_hf(n) for n in rule.hf], shape)
+            shard = tp_split(rule, full, tp, shape)[tp_rank]
             if tuple(shard.shape) != tuple(param.shape):
-                raise hm.MappingError(f"{name}: shard {tuple(shard.shape)} vs {tuple(param.shape)}")
+                raise MappingError(f"{name}: shard {tuple(shard.shape)} vs {tuple(param.shape)}")
             param.copy_(shard.to(param.dtype))
 
 
-def _gather_tp(rule: hm.Rule, shard: torch.Tensor, shape: hm.ModelShape) -> torch.Tensor:
+def _gather_tp(rule: Rule, shard: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -116,11 +126,11 @@ def _gather_tp(rule: hm.Rule, shard: torch.Tensor, shape: hm.ModelShape) -> torc
     torch.distributed.all_gather(
         parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group()
     )
-    return hm.tp_merge(rule, parts, shape)
+    return tp_merge(rule, parts, shape)
 
 
 def export_hf(
-    model: torch.nn.Module, shape: hm.ModelShape, te: bool, layout: list[tuple[int, int]]
+    model: torch.nn.Module, shape: ModelShape, te: bool, layout: list[tuple[int, int]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors on global rank 0 (see module docstring); a generator every rank of
     DP/CP replica 0 must drive to the end."""
@@ -134,7 +144,7 @@ def export_hf(
     params = dict(unwrap(model).named_parameters())
     dtype = next(iter(params.values())).dtype
     sender = torch.distributed.get_rank() == 0
-    for rule in hm.rules(shape, te):
+    for rule in rules(shape, te):
         owner = owner_stage(rule, layout)
         full = None
         if owner == stage:
@@ -144,7 +154,7 @@ def export_hf(
                 full = torch.empty(rule.shape, dtype=dtype, device=torch.cuda.current_device())
             torch.distributed.broadcast(full, src=pp_ranks[owner], group=pp_group)
         if sender:
-            yield from hm.to_hf(rule, full, shape)
+            yield from to_hf(rule, full, shape)
 
 
 def export_with_bridge(bridge: Any, chunks: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:

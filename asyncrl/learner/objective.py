@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
-from asyncrl.algo.importance import apply_rollout_is, normalize_weights_to_batch_mean
+from asyncrl.algo.importance import (
+    RolloutIS,
+    apply_rollout_is,
+    normalize_weights_to_batch_mean,
+)
 from asyncrl.algo.kl import entropy_bonus, kl_loss
 from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams
 from asyncrl.algo.rejection import rejection_mask
@@ -52,6 +56,22 @@ def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Call
     return factor
 
 
+def rollout_is_settings(alg: AlgorithmConfig) -> RolloutIS:
+    """The rollout IS settings from verl's flat `algorithm.rollout_is*` keys.
+
+    `rollout_is_batch_normalize` is not one of them: it rescales the weights over the mask that
+    rejection sampling leaves, so `correct` applies it after both, outside `apply_rollout_is`.
+    """
+    return RolloutIS(
+        apply=alg.rollout_is,
+        level=alg.rollout_is_level,
+        mode=alg.rollout_is_mode,
+        threshold=alg.rollout_is_threshold,
+        threshold_lower=alg.rollout_is_threshold_lower,
+        veto_threshold=alg.rollout_is_veto_threshold,
+    )
+
+
 def correct(
     alg: AlgorithmConfig,
     loss_mode: str,
@@ -64,17 +84,7 @@ def correct(
     `old` is the proximal policy (recomputed, or the rollout logprobs in bypass mode). The
     decoupled loss applies exp(prox - behav) itself, so it gets no separate weights.
     """
-    weights, metrics = apply_rollout_is(
-        old,
-        rollout,
-        mask,
-        rollout_is=alg.rollout_is,
-        rollout_is_level=alg.rollout_is_level,
-        rollout_is_mode=alg.rollout_is_mode,
-        rollout_is_threshold=alg.rollout_is_threshold,
-        rollout_is_threshold_lower=alg.rollout_is_threshold_lower,
-        rollout_is_veto_threshold=alg.rollout_is_veto_threshold,
-    )
+    weights, metrics = apply_rollout_is(old, rollout, mask, rollout_is_settings(alg))
     if alg.rollout_rs:
         criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
         mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)

@@ -16,7 +16,7 @@ from asyncrl.envs import EnvError, make_env
 
 def check_env(env: EnvConfig) -> None:
     """Build the environment once where the run starts, so that a bad name, path or config
-    fails there with one line instead of failing every episode in the actors."""
+    fails there with one line instead of failing every episode in the rollout workers."""
     try:
         instance = make_env(env.name, env.config)
     except EnvError as e:

@@ -1,9 +1,9 @@
-"""Start asyncrl's hf engine server as a subprocess and wait until it can generate."""
+"""Start asyncrl's hf engine server as a subprocess and wait until it can generate; the
+`hf_infer` launcher of the engine fleet."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,48 +11,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-
-class EngineLaunchError(RuntimeError):
-    """An engine server process died or never became healthy."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServerHandle:
-    """A running hf server process; `stop()` it (or use it as a context manager)."""
-
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "<no log>"
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
-
-    def __enter__(self) -> ServerHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+from asyncrl.config.schema import WorkerConfig
+from asyncrl.device import SPECS
+from asyncrl.engine.process import EngineLaunchError, ServerHandle
+from asyncrl.net import free_port
 
 
 def launch_hf_server(
@@ -67,14 +31,14 @@ def launch_hf_server(
     timeout_s: float = 120.0,
     log_dir: str | os.PathLike | None = None,
 ) -> ServerHandle:
-    """Start `python -m asyncrl.rollout.hf_server` and wait until /health_generate is 200.
+    """Start `python -m asyncrl.engine.hf.server` and wait until /health_generate is 200.
 
     Raises EngineLaunchError with the server's log tail if it exits or is not healthy in time.
     """
     port = port or free_port(host)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="asyncrl-hf-server-"))
     log_path = log_dir / f"hf_server_{port}.log"
-    cmd = [sys.executable, "-m", "asyncrl.rollout.hf_server", "--model-path", str(model_path)]
+    cmd = [sys.executable, "-m", "asyncrl.engine.hf.server", "--model-path", str(model_path)]
     cmd += ["--host", host, "--port", str(port), "--dtype", dtype]
     cmd += ["--max-batch-size", str(max_batch_size), "--seed", str(seed), *extra_args]
     with open(log_path, "wb") as log:
@@ -99,3 +63,31 @@ def launch_hf_server(
         f"hf server on port {port} not healthy after {timeout_s:.0f}s; log tail:\n"
         + handle.log_tail()
     )
+
+
+class HFLauncher:
+    """asyncrl's own transformers server (`hf_infer`): one CPU process per engine, loopback."""
+
+    def __init__(self, infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int) -> None:
+        self.infer, self.model_dir, self.log_dir, self.seed = infer, model_dir, log_dir, seed
+        self.num_engines = max(1, len(infer.device_mapping) // infer.num_gpus_per_worker)
+        self.tp_size = 1
+        self.device = SPECS["cpu"]
+
+    def launch(self, index: int, port: int | None = None) -> ServerHandle:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return launch_hf_server(
+            self.model_dir,
+            port=port,
+            dtype=self.infer.model_args.dtype or "fp32",
+            max_batch_size=int(self.infer.strategy_args.strategy_config.get("max_batch_size", 64)),
+            seed=self.seed + index,
+            log_dir=self.log_dir,
+            timeout_s=180.0,
+        )
+
+    def actor_urls(self, worker_urls: list[str]) -> list[str]:
+        return list(worker_urls)
+
+    def close(self) -> None:
+        pass

@@ -1,15 +1,16 @@
 """asyncrl's own engine server: SGLang's native HTTP protocol (a subset) over a transformers LM.
 
-    python -m asyncrl.rollout.hf_server --model-path P --port N --dtype fp32|bf16 \
+    python -m asyncrl.engine.hf.server --model-path P --port N --dtype fp32|bf16 \
         [--host 127.0.0.1] [--max-batch-size B] [--seed S] [--device cpu]
 
-Same request/response shapes as SGLang, so `asyncrl.rollout.client.EngineClient` drives this
+Same request/response shapes as SGLang, so `asyncrl.engine.client.EngineClient` drives this
 server and a real SGLang server with identical code. Token-in/token-out only: `text` is always
 "" and `text` inputs are refused. Blocking work (the scheduler, pause, weight receives) runs in
 threads; the aiohttp loop only parses, queues and answers. Bad input -> HTTP 400 with a one-line
 JSON error in SGLang's shape; the server never dies on a request. A client that hangs up
 aborts its requests. `/health_generate` runs a one-token greedy probe when idle and answers 200
 without one while requests run or generation is paused (the model can generate on continue).
+`/get_load` answers SGLang's per-DP-rank list (one rank here), read between steps.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import uuid
 
 from aiohttp import web
 
-from asyncrl.rollout.hf_batch import RequestError, SamplingParams, Seq
-from asyncrl.rollout.hf_engine import PAUSE_MODES, HFEngine
-from asyncrl.rollout.hf_weights import WeightReceiver
+from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq
+from asyncrl.engine.hf.engine import PAUSE_MODES, HFEngine
+from asyncrl.engine.hf.weights import WeightReceiver
 
-log = logging.getLogger("asyncrl.hf_server")
+log = logging.getLogger("asyncrl.engine.hf.server")
 HEALTH_TIMEOUT_S = 20.0
 ENGINE = web.AppKey("engine", HFEngine)
 RECEIVER = web.AppKey("receiver", WeightReceiver)
@@ -222,6 +223,11 @@ async def get_model_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def get_load(request: web.Request) -> web.Response:
+    load = await asyncio.to_thread(request.app[ENGINE].load)
+    return web.json_response([{"dp_rank": 0, **load}])
+
+
 async def get_weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": request.app[ENGINE].weight_version})
 
@@ -310,6 +316,7 @@ def build_app(engine: HFEngine, info: dict) -> web.Application:
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)
     r.add_get("/get_model_info", get_model_info)
+    r.add_get("/get_load", get_load)
     r.add_get("/get_weight_version", get_weight_version)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_post("/init_weights_update_group", init_weights_update_group)
@@ -341,7 +348,7 @@ def load_engine(args: argparse.Namespace) -> HFEngine:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m asyncrl.rollout.hf_server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m asyncrl.engine.hf.server", description=__doc__)
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.learner.torch_learner import TorchLearner
-from asyncrl.rollout.hf_launch import free_port
+from asyncrl.learner.torch.learner import TorchLearner
+from asyncrl.net import free_port
 
 
 class _RemoteRank:
@@ -40,7 +40,7 @@ class DistributedTorchLearner:
     def __init__(self, world_size: int, **kwargs: Any) -> None:
         import ray
 
-        from asyncrl.rollout.ray_pool import init_ray
+        from asyncrl.net import init_ray
 
         if world_size < 2:
             raise ValueError("DistributedTorchLearner needs world_size >= 2")

@@ -1,0 +1,277 @@
+"""Admission: may a prompt start now? AReaL's staleness capacity rule and the run's one
+in-flight ledger (pure Python, no groups: testable alone).
+
+Every prompt the run hands out is in the ledger, keyed by its prompt key, from admission until
+its group is delivered (put into the buffer, whatever the buffer then does with it):
+
+    reserve ──▶ pending ──issue(w)──▶ on worker w ──reported(w)──▶ in transit
+                  ▲                        │ requeue(w): w failed           │
+                  └────────────────────────┘                                │
+    pending, on worker w, in transit ──delivered (its group was put)──▶ gone
+
+So a prompt is exactly one of pending, in flight (on a worker or in transit) or delivered:
+never lost. Pending prompts are (re-)issued first, oldest first. The checkpoint stores the
+ledger once (its payloads, pending first), and a resumed run re-issues all of it.
+
+Counts (groups; one prompt = one group):
+
+- ``running``  = prompts in the ledger.
+- ``accepted`` = groups admitted into the buffer and not dropped since (the buffer keeps
+  ``accepted = taken + depth``). Filtered and evicted groups do not count: the learner at
+  version v has consumed about v·batch groups, so if dropped groups kept eating the budget it
+  would wait for groups no worker may start (deadlock). Every dropped group is replaced.
+- ``budget(v)  = (max_staleness + v + 1) · rollout_batch_size`` and
+  ``capacity  = max(0, budget(v) − (accepted + running))``.
+- Budget invariant: if every delivered group was reserved, ``accepted + running ≤ budget(v)``
+  always: `reserve` grants at most `capacity`, a delivery moves a prompt from running to
+  accepted (or drops it), drops only lower ``accepted``, and v never decreases. A group nobody
+  reserved is admitted and counted in ``unreserved``; it may push the sum over the budget,
+  which only lowers capacity. With ``max_staleness = 0`` exactly one batch is admitted per
+  version (synchronous RL).
+
+Thread-safe: one lock (re-entrant, so the replay queue shares it and calls in while holding it).
+A payload is a plain dict describing the prompt, with its key under ``"key"``; replay never
+looks further inside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Payload = dict[str, Any]
+
+
+class ReplayError(ValueError):
+    """Bad use of replay: bad config, version going back, bad reservation, bad state dict."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    payload: Payload
+    worker: int | None = None  # the worker running it; None while pending or in transit
+
+
+class InFlightLedger:
+    """Prompts admitted and not yet delivered, by key, in admission order. Not locked: its
+    owner (`Admission`) serialises every call."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._pending: OrderedDict[str, None] = OrderedDict()  # (re-)issue order
+        self._load: Counter[int] = Counter()  # prompts on each worker
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def add_pending(self, key: str, payload: Payload) -> None:
+        if key in self._entries:
+            raise ReplayError(f"replay: prompt {key!r} is already in flight")
+        self._entries[key] = _Entry(payload)
+        self._pending[key] = None
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def issue(self, worker: int, n: int) -> list[Payload]:
+        """The n oldest pending prompts, now on `worker`."""
+        out = []
+        while len(out) < n and self._pending:
+            key, _ = self._pending.popitem(last=False)
+            entry = self._entries[key]
+            entry.worker = worker
+            self._load[worker] += 1
+            out.append(entry.payload)
+        return out
+
+    def _off_worker(self, key: str, worker: int) -> _Entry | None:
+        """The entry of `key` if it is on `worker`, taken off it (else None)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.worker != worker:
+            return None
+        entry.worker = None
+        self._load[worker] -= 1
+        return entry
+
+    def requeue(self, keys: Iterable[str], worker: int) -> int:
+        """Prompts of a failed `worker` go back to pending (re-issued next); those no longer on
+        it (delivered meanwhile) are skipped. Returns how many went back."""
+        moved = 0
+        for key in keys:
+            if self._off_worker(key, worker) is not None:
+                self._pending[key] = None
+                moved += 1
+        return moved
+
+    def reported(self, keys: Iterable[str], worker: int) -> None:
+        """`worker` finished these prompts: their groups are in transit (the slot is free)."""
+        for key in keys:
+            self._off_worker(key, worker)
+
+    def deliver(self, key: str) -> bool:
+        """The prompt's group arrived: forget it wherever it was; False if it was not here."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        if entry.worker is not None:
+            self._load[entry.worker] -= 1
+        self._pending.pop(key, None)
+        return True
+
+    def load(self, workers: int) -> list[int]:
+        """Prompts on each of workers 0 .. workers-1."""
+        return [self._load[w] for w in range(workers)]
+
+    def payloads(self) -> list[Payload]:
+        """Every outstanding prompt, pending first (re-issue order), then in admission order."""
+        ahead = [self._entries[k].payload for k in self._pending]
+        rest = [e.payload for k, e in self._entries.items() if k not in self._pending]
+        return ahead + rest
+
+
+class Admission:
+    """AReaL's StalenessManager: the capacity rule over `version`, `accepted` and the ledger."""
+
+    def __init__(
+        self,
+        max_staleness: int,
+        rollout_batch_size: int,
+        version: int = 0,
+        lock: threading.RLock | None = None,
+    ) -> None:
+        self.max_staleness, self.batch = max_staleness, rollout_batch_size
+        self._lock = lock if lock is not None else threading.RLock()
+        self._version = version
+        self.accepted = 0
+        self.unreserved = 0
+        self.ledger = InFlightLedger()
+
+    # -- the rule -----------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """The learner's weight version: raises the budget. It never goes back."""
+        with self._lock:
+            if version < self._version:
+                raise ReplayError(f"replay: version went back from {self._version} to {version}")
+            self._version = version
+
+    def budget(self) -> int:
+        return (self.max_staleness + self._version + 1) * self.batch
+
+    def running(self) -> int:
+        return len(self.ledger)
+
+    def capacity(self) -> int:
+        """How many prompts may start now (never negative)."""
+        with self._lock:
+            return max(0, self.budget() - (self.accepted + len(self.ledger)))
+
+    def reserve(
+        self, k: int, prompt_keys: Sequence[str], payloads: Sequence[Payload] | None = None
+    ) -> int:
+        """Admit up to k prompts (as many as `capacity` allows, the first keys first) into the
+        ledger as pending; returns how many were admitted. `payloads` default to ``{"key": k}``."""
+        if k < 0:
+            raise ReplayError(f"replay.reserve: k must be >= 0, got {k}")
+        if isinstance(prompt_keys, str):
+            raise ReplayError("replay.reserve: prompt_keys must be a sequence of keys, not a str")
+        if len(prompt_keys) != k or (payloads is not None and len(payloads) != k):
+            raise ReplayError(f"replay.reserve: {len(prompt_keys)} prompt keys for k={k}")
+        with self._lock:
+            granted = min(k, self.capacity())
+            keys = list(prompt_keys[:granted])
+            clash = [key for key in keys if key in self.ledger]
+            if clash or len(set(keys)) != len(keys):
+                raise ReplayError(f"replay.reserve: prompt keys already in flight: {clash or keys}")
+            for i, key in enumerate(keys):
+                self.ledger.add_pending(key, {"key": key} if payloads is None else payloads[i])
+            return granted
+
+    # -- the dispatcher's moves (see the module docstring) ------------------------------------
+    def pending(self) -> int:
+        with self._lock:
+            return self.ledger.pending()
+
+    def issue(self, worker: int, n: int) -> list[Payload]:
+        with self._lock:
+            return self.ledger.issue(worker, n)
+
+    def requeue(self, keys: Iterable[str], worker: int) -> int:
+        with self._lock:
+            return self.ledger.requeue(keys, worker)
+
+    def reported(self, keys: Iterable[str], worker: int) -> None:
+        with self._lock:
+            self.ledger.reported(keys, worker)
+
+    def load(self, workers: int) -> list[int]:
+        with self._lock:
+            return self.ledger.load(workers)
+
+    def outstanding(self) -> list[Payload]:
+        with self._lock:
+            return self.ledger.payloads()
+
+    # -- the buffer's news --------------------------------------------------------------------
+    def delivered(self, key: str, accepted: bool) -> None:
+        """A group arrived for prompt `key`: it leaves the ledger (an unreserved one is
+        counted); `accepted` = it went into the buffer (else it was filtered or evicted)."""
+        with self._lock:
+            if not self.ledger.deliver(key):
+                self.unreserved += 1
+            self.accepted += int(accepted)
+
+    def dropped(self, n: int) -> None:
+        """n accepted groups were evicted from the buffer: their slots open again."""
+        with self._lock:
+            self.accepted -= n
+
+    # -- observability and checkpoint ---------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "version": self._version,
+                "running": len(self.ledger),
+                "accepted": self.accepted,
+                "capacity": self.capacity(),
+                "budget": self.budget(),
+                "unreserved": self.unreserved,
+            }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: version, counters and the ledger's payloads (pending first)."""
+        with self._lock:
+            return {
+                "version": self._version,
+                "accepted": self.accepted,
+                "unreserved": self.unreserved,
+                "outstanding": self.ledger.payloads(),
+            }
+
+    @classmethod
+    def from_state(cls, max_staleness: int, batch: int, state: dict[str, Any]) -> Admission:
+        """A new Admission from `state_dict()`; every outstanding prompt is pending (re-issued
+        first). Raises KeyError / TypeError / ValueError on a malformed state."""
+        fresh = cls(max_staleness, batch, int(state["version"]))
+        fresh.accepted, fresh.unreserved = int(state["accepted"]), int(state["unreserved"])
+        for payload in state["outstanding"]:
+            key = payload["key"]
+            if not isinstance(key, str):
+                raise TypeError(f"prompt key must be a str, got {type(key).__name__}")
+            fresh.ledger.add_pending(key, payload)
+        return fresh
+
+    def adopt(self, other: Admission) -> None:
+        """Take over `other`'s version, counters and ledger (all-or-nothing restore)."""
+        with self._lock:
+            self._version, self.ledger = other._version, other.ledger
+            self.accepted, self.unreserved = other.accepted, other.unreserved

@@ -1,0 +1,180 @@
+"""The group buffer: finished trajectory groups waiting for the learner, oldest first.
+
+It evicts groups staler than the bound, refuses duplicate group ids (a re-issued prompt
+delivered twice), counts what happened to every group, and stores its groups at rest as the
+wire codec's frames (`group_to_bytes`), so a checkpointed group is read back exactly as one
+off the wire. Not locked: `ReplayQueue` serialises every call.
+
+Invariants (counts are groups; duplicates are refused and are not puts):
+
+- Conservation: ``put = taken + evicted + filtered + depth``.
+- Every taken group has staleness ``version − group.min_version() ≤ max_staleness``; a group
+  with no generated token (``min_version() == NOT_GENERATED``) has staleness 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+
+from asyncrl.replay.admission import ReplayError
+from asyncrl.transport.stored import group_from_bytes, group_to_bytes
+from asyncrl.types import NOT_GENERATED, TrajectoryGroup
+
+#: How many recently evicted group ids the state keeps (an audit trail for checkpoints).
+RECENT_EVICTED = 1024
+
+
+class DuplicateGroupError(ReplayError):
+    """A group id was put twice; the second copy is refused (and counted)."""
+
+
+def staleness(group: TrajectoryGroup, version: int) -> int:
+    """Versions between the group's oldest generated token and `version` (0 if none)."""
+    born = group.min_version()
+    return 0 if born == NOT_GENERATED else version - born
+
+
+def _born(group: TrajectoryGroup) -> int | None:
+    born = group.min_version()
+    return None if born == NOT_GENERATED else born
+
+
+class GroupBuffer:
+    """Staleness-bounded FIFO of `TrajectoryGroup`s with a dedup window and counters."""
+
+    def __init__(
+        self, max_staleness: int, filter_names: Sequence[str] = (), dedup_window: int | None = None
+    ) -> None:
+        self.max_staleness, self.dedup_window = max_staleness, dedup_window
+        self._groups: deque[tuple[int | None, TrajectoryGroup]] = deque()  # (born, group)
+        self._ids: set[str] = set()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # dedup window
+        self.counts = Counter(put=0, taken=0, evicted=0, duplicates=0)
+        self.filtered: Counter[str] = Counter(dict.fromkeys(filter_names, 0))
+        self.lag_taken: Counter[int] = Counter()
+        self.evicted_ids: deque[str] = deque(maxlen=RECENT_EVICTED)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, group: TrajectoryGroup, version: int, dropped_by: str | None) -> bool:
+        """Count a finished group and buffer it unless `dropped_by` (a filter's name) or it is
+        already too stale at `version`; returns whether it was buffered. A duplicate id raises
+        DuplicateGroupError and changes nothing but the duplicate count."""
+        gid = group.group_id
+        if gid in self._ids or gid in self._seen:
+            self.counts["duplicates"] += 1
+            raise DuplicateGroupError(f"replay: group {gid!r} was already put; rejected")
+        self._remember(gid)
+        self.counts["put"] += 1
+        if dropped_by is not None:
+            self.filtered[dropped_by] += 1
+            return False
+        born = _born(group)
+        if born is not None and born < version - self.max_staleness:
+            self.counts["evicted"] += 1
+            self.evicted_ids.append(gid)
+            return False
+        self._groups.append((born, group))
+        self._ids.add(gid)
+        return True
+
+    def _remember(self, gid: str) -> None:
+        if self.dedup_window == 0:
+            return
+        self._seen[gid] = None
+        if self.dedup_window is not None and len(self._seen) > self.dedup_window:
+            self._seen.popitem(last=False)
+
+    def evict_stale(self, version: int) -> int:
+        """Drop every buffered group staler than the bound at `version`; returns how many."""
+        oldest_ok = version - self.max_staleness
+        if all(born is None or born >= oldest_ok for born, _ in self._groups):
+            return 0
+        keep: deque[tuple[int | None, TrajectoryGroup]] = deque()
+        for born, group in self._groups:
+            if born is None or born >= oldest_ok:
+                keep.append((born, group))
+                continue
+            self._ids.discard(group.group_id)
+            self.evicted_ids.append(group.group_id)
+        evicted = len(self._groups) - len(keep)
+        self._groups = keep
+        self.counts["evicted"] += evicted
+        return evicted
+
+    def take(self, n: int, version: int) -> list[TrajectoryGroup] | None:
+        """The n oldest groups (call `evict_stale(version)` first), or None if fewer are here."""
+        if len(self._groups) < n:
+            return None
+        out = []
+        for _ in range(n):
+            born, group = self._groups.popleft()
+            self._ids.discard(group.group_id)
+            self.lag_taken[0 if born is None else version - born] += 1
+            out.append(group)
+        self.counts["taken"] += n
+        return out
+
+    # -- observability and checkpoint ---------------------------------------------------------
+    def metrics(self, version: int) -> dict[str, float]:
+        """Counters, per-filter drops, lag histograms `lag_buffered/<k>` (at `version`) and
+        `lag_taken/<k>`, and the mean lag of taken groups."""
+        c = self.counts
+        out: dict[str, float] = {
+            "depth": len(self._groups),
+            "put": c["put"],
+            "taken": c["taken"],
+            "evicted": c["evicted"],
+            "rejected_duplicates": c["duplicates"],
+            "filtered": sum(self.filtered.values()),
+        }
+        out.update({f"filtered/{k}": v for k, v in self.filtered.items()})
+        lag_buf = Counter(0 if b is None else version - b for b, _ in self._groups)
+        out.update({f"lag_buffered/{k}": v for k, v in sorted(lag_buf.items())})
+        out.update({f"lag_taken/{k}": v for k, v in sorted(self.lag_taken.items())})
+        total_lag = sum(k * v for k, v in self.lag_taken.items())
+        out["lag_taken_mean"] = total_lag / c["taken"] if c["taken"] else 0.0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the groups as stored wire frames (bytes), counters, the dedup window and
+        the recently evicted ids."""
+        return {
+            "groups": [group_to_bytes(g) for _, g in self._groups],
+            "counters": dict(self.counts),
+            "filtered": dict(self.filtered),
+            "lag_taken": [[k, v] for k, v in sorted(self.lag_taken.items())],
+            "seen_ids": list(self._seen),
+            "evicted_ids": list(self.evicted_ids),
+        }
+
+    @classmethod
+    def from_state(
+        cls,
+        max_staleness: int,
+        filter_names: Sequence[str],
+        dedup_window: int | None,
+        state: dict[str, Any],
+    ) -> GroupBuffer:
+        """A new buffer from `state_dict()`. Raises KeyError / TypeError / ValueError
+        (DecodeError included) on a malformed state."""
+        fresh = cls(max_staleness, filter_names, dedup_window)
+        for data in state["groups"]:
+            group = group_from_bytes(data)
+            if group.group_id in fresh._ids:
+                raise ValueError(f"group {group.group_id!r} buffered twice")
+            fresh._groups.append((_born(group), group))
+            fresh._ids.add(group.group_id)
+        for key, value in state["counters"].items():
+            fresh.counts[str(key)] = int(value)
+        for key, value in state["filtered"].items():
+            fresh.filtered[str(key)] = int(value)
+        for lag, count in state["lag_taken"]:
+            fresh.lag_taken[int(lag)] = int(count)
+        for gid in state["seen_ids"]:
+            fresh._remember(str(gid))
+        fresh.evicted_ids.extend(str(i) for i in state["evicted_ids"])
+        return fresh

@@ -1,0 +1,90 @@
+"""What every rollout worker shares: its settings, its per-prompt result, how it asks for samples.
+
+`RolloutSettings` carries the run config's own sections whole (generation, rollout, algorithm,
+env) plus where this worker reads (engine URLs, tokenizer) and writes (the transport address);
+nothing is copied field by field. `sampling_params` is the one place a request's SGLang
+`sampling_params` are built (training samples, episode turns and greedy evaluation alike).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.config.schema import AlgorithmConfig, EnvConfig, GeneratingArgs, RolloutConfig
+
+
+@dataclass
+class RolloutSettings:
+    """A rollout worker's own sub-config, cut from the run config by the orchestrator."""
+
+    engine_urls: list[str]
+    """Engines (or a router) this worker generates through; it starts on the first."""
+    transport_host: str
+    """Where the learner's ZMQ receiver listens."""
+    transport_port: int
+    """The receiver's port."""
+    tokenizer_path: str
+    """HF model directory whose tokenizer decodes responses for the reward."""
+    generating: GeneratingArgs = field(default_factory=GeneratingArgs)
+    """`actor_infer.generating_args`: sampling parameters."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """`rollout`: reward function and request timeout."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """`algorithm`: group advantage estimator and overlong shaping."""
+    env: EnvConfig | None = None
+    """Set: multi-turn environment episodes (EpisodeBuilder) instead of single prompts."""
+    n: int = 8
+    """`num_return_sequences_in_group`: responses (or episodes) per prompt."""
+    response_length: int = 32
+    """`response_length`: default tokens per response; the cap on an episode's response."""
+    seed: int = 0
+    """Run seed; every request's sampling seed derives from it (`request_seed`)."""
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.generating.max_new_tokens or self.response_length
+
+
+@dataclass
+class PromptResult:
+    """A worker's answer for one prompt: delivered (ok) or failed with the reason (re-issued)."""
+
+    key: str
+    ok: bool
+    error: str = ""
+    tokens: int = 0
+    reward_mean: float = 0.0
+
+
+def request_seed(seed: int, key: str, index: int) -> int:
+    """A per-request sampling seed: the same prompt gets the same samples whatever the batching."""
+    digest = hashlib.blake2b(f"{seed}/{key}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def sampling_params(
+    gen: GeneratingArgs, max_new_tokens: int, seed: int | None = None, greedy: bool = False
+) -> dict[str, Any]:
+    """SGLang `sampling_params` of one request. `greedy`: temperature 0 (evaluation), which
+    makes top-p/top-k moot; `seed`: the request's sampling seed (None: the engine's own)."""
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if greedy:
+        params["temperature"] = 0.0
+    else:
+        params.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
+    params["stop_token_ids"] = list(gen.stop_token_ids)
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params
+
+
+def plain_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Metadata that msgpack can carry (scalars, strings, lists of them)."""
+    ok = (str, int, float, bool, type(None))
+    return {
+        str(k): v
+        for k, v in metadata.items()
+        if isinstance(v, ok) or (isinstance(v, list) and all(isinstance(x, ok) for x in v))
+    }

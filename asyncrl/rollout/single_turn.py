@@ -1,0 +1,114 @@
+"""Single-turn rollouts: one prompt in, a scored `TrajectoryGroup` of n responses out.
+
+For each prompt `GroupBuilder` sends `n` concurrent requests through the SGLang-protocol client,
+scores every response with the reward function and computes the group's advantages (the group
+estimators: grpo, drgrpo, rloo). No transport: the rollout worker and the equivalence test's
+reference loop share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import numpy as np
+
+from asyncrl.data.prompts import PromptItem
+from asyncrl.rollout.settings import (
+    RolloutSettings,
+    plain_metadata,
+    request_seed,
+    sampling_params,
+)
+from asyncrl.types import TrajectoryGroup
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+
+
+class GroupBuilder:
+    """Prompt → scored TrajectoryGroup through the engines."""
+
+    def __init__(self, settings: RolloutSettings) -> None:
+        from transformers import AutoTokenizer
+
+        from asyncrl.engine.client import EngineClient
+        from asyncrl.rewards import get_reward_fn
+
+        self.s = settings
+        timeout = settings.rollout.request_timeout_s
+        self.clients = [EngineClient(u, timeout=timeout) for u in settings.engine_urls]
+        self._next_engine = itertools.cycle(range(len(self.clients)))
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+        self.reward_fn = get_reward_fn(settings.rollout.reward_fn)
+
+    async def build(self, item: PromptItem) -> TrajectoryGroup:
+        """n concurrent requests for one prompt, scored, with group advantages."""
+        s, client = self.s, self.clients[next(self._next_engine)]
+        requests = [
+            {
+                "input_ids": list(item.prompt_ids),
+                "sampling_params": sampling_params(
+                    s.generating, s.max_new_tokens, request_seed(s.seed, item.key, i)
+                ),
+                "return_logprob": True,
+            }
+            for i in range(s.n)
+        ]
+        completions = await asyncio.gather(*(client.generate_one(r) for r in requests))
+        return self._build_group(item, completions)
+
+    def _build_group(self, item: PromptItem, completions: list[Any]) -> TrajectoryGroup:
+        alg = self.s.algorithm
+        responses = []
+        for c in completions:
+            text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
+            reward = float(self.reward_fn(item.prompt_text, text, item.metadata))
+            responses.append(
+                {
+                    "response_ids": c.output_ids,
+                    "rollout_logprobs": c.output_logprobs,
+                    "versions": c.token_versions(),
+                    "reward": reward,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        rewards = np.array([r["reward"] for r in responses], dtype=np.float32)
+        if alg.overlong_buffer_len > 0:
+            rewards = rewards + self._overlong(responses)
+            for r, value in zip(responses, rewards, strict=True):
+                r["reward"] = float(value)
+        if alg.adv_estimator in GROUP_ESTIMATORS:
+            advantages = self._group_advantages(rewards)
+            for r, adv in zip(responses, advantages, strict=True):
+                r["advantages"] = np.full(len(r["response_ids"]), adv, dtype=np.float32)
+        metadata = {"prompt_key": item.key, **plain_metadata(item.metadata)}
+        return TrajectoryGroup.from_responses(item.key, item.prompt_ids, responses, metadata)
+
+    def _overlong(self, responses: list[dict[str, Any]]) -> np.ndarray:
+        from asyncrl.algo.advantages import overlong_penalty
+
+        lengths = [len(r["response_ids"]) for r in responses]
+        alg = self.s.algorithm
+        penalty = overlong_penalty(
+            lengths, self.s.max_new_tokens, alg.overlong_buffer_len, alg.overlong_penalty_factor
+        )
+        return penalty.numpy()
+
+    def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
+        """Outcome advantages within the group (one value per response)."""
+        import torch
+
+        from asyncrl.algo.advantages import AdvantageParams, compute_advantages
+
+        scores = torch.as_tensor(rewards).unsqueeze(1)  # [n, 1]: one token carries the score
+        alg = self.s.algorithm
+        params = AdvantageParams(norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        adv, _ = compute_advantages(
+            alg.adv_estimator,
+            scores,
+            torch.ones_like(scores),
+            params,
+            group_ids=[0] * len(rewards),
+        )
+        return adv[:, 0].numpy()
