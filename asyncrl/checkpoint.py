@@ -4,27 +4,55 @@ A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
 - `learner.pt`: model, optimizer, scheduler, version (torch tensors; loaded with
   `weights_only=True`, so nothing but tensors and plain containers is unpickled),
 - `hf/`: the policy as a Hugging Face model directory (when `hf_model` or `model` is saved),
-- `extra.msgpack`: step, RNG states, data position, the replay queue (its groups stored as the
-  wire codec's frames, `group_to_bytes`) and, once, the in-flight ledger (`outstanding`: the
-  prompts handed out and not delivered, re-issued first on resume), as msgpack with numpy
-  arrays as raw bytes.
-`latest` names the newest complete checkpoint; it is written last, so a crash mid-save leaves
-the previous checkpoint in force.
+- `extra.msgpack`: the run state: step, RNG states, data position, the replay queue (its groups
+  stored as the wire codec's frames, `group_to_bytes`) and, once, the in-flight ledger
+  (`outstanding`: the prompts handed out and not delivered, re-issued first on resume), as
+  msgpack with numpy arrays as raw bytes,
+- `meta.json`: step, version and which contents were saved (older checkpoints lack it).
+A checkpoint is complete or ignored: it is written into `.tmp_step_<k>/`, synced and renamed;
+`latest` names the newest one and is replaced after it, so a crash mid-save leaves the previous
+checkpoint in force. `resume: auto` does not trust `latest` alone: it opens the step
+directories newest first and takes the first complete one (learner.pt loads; extra.msgpack,
+when saved, is present and unpacks), naming the ones it skipped and why.
+
+A checkpoint without the run state resumes the learner only (step from the checkpoint, data
+position, queue and RNG afresh) and only when asked: `actor.checkpoint.load_contents` set to a
+list without `extra` (e.g. `[model, optimizer]`); otherwise resuming it is refused.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 import torch
 
+from asyncrl.config import ConfigError
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import CheckpointConfig
+
 _ND = "__ndarray__"
+CHECKPOINT_DIR = "checkpoints"
+META_FILE = "meta.json"
+EXTRA_FILE = "extra.msgpack"
+LEARNER_FILE = "learner.pt"
+_STEP_DIR = re.compile(r"step_(\d+)")
+# what the loop puts in `extra` (run.py): a run state without one of these cannot be resumed
+_EXTRA_KEYS = ("step", "version", "rng", "prompts", "queue")
+
+
+class ResumeError(ConfigError):
+    """The run cannot start as configured: output_dir holds another run, or the checkpoint to
+    resume from is incomplete or lacks what resuming needs. One line, saying what to do."""
 
 
 def _pack(obj: Any) -> Any:
@@ -77,13 +105,110 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a directory too: that syncs its entries (renames)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, and `root`, to disk: the rename that publishes a
+    checkpoint must not reach the disk before its contents (a power cut would tear it)."""
+    for path in [*root.rglob("*"), root]:
+        _fsync(path)
+
+
+@dataclass
+class Loaded:
+    """A complete checkpoint, read and checked: resuming applies it to the learner."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]  # learner.pt
+    extra: dict[str, Any] | None  # extra.msgpack; None: the checkpoint holds no run state
+
+    def apply(self, learner: Any, load_contents: set[str]) -> dict[str, Any]:
+        """Load what `load_contents` names into `learner` (and the RNGs); returns the run
+        state to restore, empty when it is not loaded. The learner state is handed over, not
+        kept: it may be the size of the model and its optimizer."""
+        state, self.state = self.state, {}
+        if "optimizer" not in load_contents:
+            state.pop("optimizer", None)
+            state.pop("scheduler", None)
+        learner.load_state_dict(state)
+        if "extra" not in load_contents or self.extra is None:
+            return {}
+        set_rng_state(self.extra["rng"])
+        return self.extra
+
+
+def load_contents(checkpoint: CheckpointConfig) -> set[str]:
+    """What resuming loads: `load_contents` when set, else `save_contents` and the run state
+    (`extra`): a resume continues the run, and loads the learner only when told so."""
+    if checkpoint.load_contents is not None:
+        return set(checkpoint.load_contents)
+    return {*checkpoint.save_contents, "extra"}
+
+
+class IncompleteCheckpoint(ResumeError):
+    """A checkpoint directory that cannot be resumed from (torn, missing a file)."""
+
+
+def _why(exc: BaseException) -> str:
+    """The exception in one short line (torch's can run to paragraphs)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if len(first) > 100:
+        first = first.split(". ")[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    if not (path / META_FILE).exists():
+        return None  # saved before meta.json existed
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        return {"step": int(meta["step"]), "contents": set(meta["contents"])}
+    except (ValueError, KeyError, TypeError) as e:
+        raise IncompleteCheckpoint(f"{META_FILE} is unreadable ({_why(e)})") from None
+
+
+def _read_extra(path: Path, version: int | None) -> dict[str, Any]:
+    if not (path / EXTRA_FILE).exists():
+        raise IncompleteCheckpoint(f"{EXTRA_FILE} is missing")
+    try:
+        extra = load_msgpack(path / EXTRA_FILE)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise IncompleteCheckpoint(f"{EXTRA_FILE} does not unpack ({_why(e)})") from None
+    missing = [k for k in _EXTRA_KEYS if not isinstance(extra, dict) or k not in extra]
+    if missing:
+        raise IncompleteCheckpoint(f"{EXTRA_FILE} lacks {', '.join(missing)}")
+    if version is not None and int(extra["version"]) != version:
+        raise IncompleteCheckpoint(
+            f"{LEARNER_FILE} (version {version}) and {EXTRA_FILE} "
+            f"(version {extra['version']}) are not from the same save"
+        )
+    return extra
+
+
+def _step_of(path: Path, meta: dict[str, Any] | None, extra: dict[str, Any] | None) -> int:
+    if extra is not None:
+        return int(extra["step"])
+    if meta is not None:
+        return meta["step"]
+    if match := _STEP_DIR.fullmatch(path.name):
+        return int(match.group(1))
+    raise IncompleteCheckpoint(f"neither {EXTRA_FILE} nor {META_FILE} gives its step")
+
+
 class Checkpointer:
     def __init__(self, output_dir: str | Path, save_contents: list[str]) -> None:
-        self.root = Path(output_dir) / "checkpoints"
+        self.root = Path(output_dir) / CHECKPOINT_DIR
         self.save_contents = set(save_contents)
 
     def save(self, step: int, learner: Any, extra: dict[str, Any], tokenizer: Any = None) -> Path:
-        """Write step `step` atomically (temp dir → rename), then point `latest` at it."""
+        """Write step `step` atomically (temp dir, synced → rename), then point `latest` at it."""
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp_step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -92,40 +217,85 @@ class Checkpointer:
         if "optimizer" not in self.save_contents:
             state.pop("optimizer", None)
             state.pop("scheduler", None)
-        torch.save(state, tmp / "learner.pt")
+        torch.save(state, tmp / LEARNER_FILE)
         if self.save_contents & {"hf_model", "model"}:
             learner.save_pretrained(tmp / "hf")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "hf")
         if "extra" in self.save_contents:
-            dump_msgpack({**extra, "step": step, "rng": rng_state()}, tmp / "extra.msgpack")
+            dump_msgpack({**extra, "step": step, "rng": rng_state()}, tmp / EXTRA_FILE)
+        meta = {"step": step, "version": int(state.get("version", 0))}
+        (tmp / META_FILE).write_text(json.dumps({**meta, "contents": sorted(self.save_contents)}))
+        _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        (self.root / "latest.tmp").write_text(final.name)
-        os.replace(self.root / "latest.tmp", self.root / "latest")
+        _fsync(self.root)
+        self.mark_latest(final.name)
         return final
 
-    def find(self, resume: str) -> Path | None:
-        """`never` → None; `auto` → the latest checkpoint if any; otherwise a directory."""
+    def mark_latest(self, name: str) -> None:
+        """Point `latest` at checkpoint `name` (atomically: a reader sees the old or new name)."""
+        (self.root / "latest.tmp").write_text(name)
+        os.replace(self.root / "latest.tmp", self.root / "latest")
+
+    def step_dirs(self) -> list[Path]:
+        """The checkpoint directories, newest step first (temp dirs of a cut save excluded)."""
+        if not self.root.is_dir():
+            return []
+        found = [
+            (int(m.group(1)), p)
+            for p in self.root.iterdir()
+            if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()
+        ]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def find(self, resume: str) -> tuple[Loaded | None, list[str]]:
+        """The checkpoint to resume from, read and checked, and why others were skipped.
+        `never` → None; `auto` → the newest complete one, or None; else that directory, which
+        must be complete (ResumeError otherwise)."""
         if resume == "never":
-            return None
-        if resume == "auto":
-            marker = self.root / "latest"
-            return self.root / marker.read_text().strip() if marker.exists() else None
-        path = Path(resume)
-        if not (path / "learner.pt").exists():
-            raise FileNotFoundError(f"resume: {path} is not a checkpoint (no learner.pt)")
-        return path
+            return None, []
+        if resume != "auto":
+            try:
+                return self.open(Path(resume)), []
+            except IncompleteCheckpoint as e:
+                raise ResumeError(f"actor.checkpoint.resume={resume}: {e}") from None
+        skipped: list[str] = []
+        for path in self.step_dirs():
+            try:
+                return self.open(path), skipped
+            except IncompleteCheckpoint as e:
+                skipped.append(f"{path.name}: {e}")
+        return None, skipped
 
     @staticmethod
-    def load(path: Path, learner: Any, load_contents: set[str]) -> dict[str, Any]:
-        state = torch.load(path / "learner.pt", map_location="cpu", weights_only=True)
-        if "optimizer" not in load_contents:
-            state.pop("optimizer", None)
-            state.pop("scheduler", None)
-        learner.load_state_dict(state)
-        extra: dict[str, Any] = {}
-        if "extra" in load_contents and (path / "extra.msgpack").exists():
-            extra = load_msgpack(path / "extra.msgpack")
-            set_rng_state(extra["rng"])
-        return extra
+    def open(path: Path) -> Loaded:
+        """Read and check one checkpoint directory; IncompleteCheckpoint says what is wrong."""
+        if not (path / LEARNER_FILE).is_file():
+            raise IncompleteCheckpoint(f"no {LEARNER_FILE} (not a checkpoint)")
+        meta = _read_meta(path)
+        try:
+            state = torch.load(path / LEARNER_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever fails to read, the file is unusable
+            raise IncompleteCheckpoint(f"{LEARNER_FILE} does not load ({_why(e)})") from None
+        if not isinstance(state, dict):
+            raise IncompleteCheckpoint(f"{LEARNER_FILE} holds {type(state).__name__}, not a state")
+        version = int(state["version"]) if "version" in state else None
+        # without meta.json (older saves) an absent extra.msgpack means it was not saved
+        saved_extra = "extra" in meta["contents"] if meta else (path / EXTRA_FILE).exists()
+        extra = _read_extra(path, version) if saved_extra else None
+        return Loaded(path, _step_of(path, meta, extra), state, extra)
+
+    def discard_after(self, step: int, aside: Path) -> list[str]:
+        """Move the checkpoints of steps after `step` (a future the resume abandons) into
+        `aside`, so a later `resume: auto` cannot pick them; their names. The temp dirs of
+        saves cut short go too: they were never checkpoints."""
+        for tmp in self.root.glob(".tmp_step_*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        moved = []
+        for path in self.step_dirs():
+            if int(path.name.removeprefix("step_")) > step:
+                (aside / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
+                shutil.move(path, aside / CHECKPOINT_DIR / path.name)
+                moved.append(path.name)
+        return moved

@@ -5,15 +5,26 @@ rollout workers, the pump from the ZMQ receiver into the replay queue) and answe
 three questions without hiding a thread: `take_batch` (fail loudly, never hang; heal dead
 engines on the way), `sync_weights` (heal and re-sync when an engine died mid-sync), and
 `state_dict` (the prompts in flight, re-issued on resume).
+
+The receive side trusts nothing it has not checked: the receiver drops messages without the
+run's MAC, the codec decodes only well-formed groups, and the pump (`check_group`) refuses a
+group whose metadata breaks asyncrl's types, whose token ids fall outside the model's
+vocabulary, or whose tokens claim a policy version the learner has not reached yet. A refused
+group is counted and logged in one line; the pump never dies on one.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from asyncrl.config.schema import ModelArgs, RolloutConfig
 from asyncrl.engine.fleet import EngineFleet
@@ -22,6 +33,8 @@ from asyncrl.rollout.dispatch import Dispatcher
 from asyncrl.transport.zmq import Receiver
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights.sync import WeightSource, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model(model_args: ModelArgs) -> Path:
@@ -38,13 +51,96 @@ def resolve_model(model_args: ModelArgs) -> Path:
     return ensure_embedded_model()
 
 
-class GroupPump:
-    """A thread: ZMQ receiver → replay queue. A duplicate (a re-issued prompt delivered twice)
-    is counted and dropped; a receiver failure stops the pump and is raised by `check`."""
+def model_vocab_size(model_dir: Path) -> int:
+    """Rows of the model's token embedding (`config.json`'s text `vocab_size`): every token id
+    the learner indexes must be below it. Not `len(tokenizer)`: engines may sample any id the
+    (often padded) embedding has."""
+    from transformers import AutoConfig
 
-    def __init__(self, receiver: Receiver, queue: ReplayQueue) -> None:
-        self.receiver, self.queue = receiver, queue
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{model_dir}/config.json has no positive vocab_size")
+    return size
+
+
+class GroupRejected(ValueError):
+    """A received group that must not be trained on; `kind` names the check it failed."""
+
+    def __init__(self, kind: str, group: TrajectoryGroup, problem: str) -> None:
+        super().__init__(f"group {group.group_id[:80]!r}: {problem}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What every received group is checked against, besides its metadata types."""
+
+    vocab_size: int
+    """Token ids (prompt and response) must be below it: the model's embedding rows."""
+    version: Callable[[], int]
+    """The learner's current version. No token can come from a later policy: the learner
+    advances before it broadcasts, so a newer version is forged or corrupt."""
+
+
+# asyncrl's own metadata keys and their types; `env/<count>` keys are numbers (`multiturn.py`).
+_METADATA_TYPES: dict[str, type | tuple[type, ...]] = {
+    "prompt_key": str,
+    "data": dict,
+    "env/error": str,
+}
+
+
+def check_group(group: TrajectoryGroup, limits: GroupLimits | None) -> str:
+    """The group's prompt key (metadata `prompt_key`, default its id) if the group may be
+    trained on; GroupRejected naming the first problem otherwise. `limits` None: metadata
+    types only (tests and benches without a model)."""
+    for name, value in group.metadata.items():
+        want = _METADATA_TYPES.get(name)
+        if want is None and name.startswith("env/"):
+            want = (int, float)
+        if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+            why = f"metadata {name!r} is a {type(value).__name__}, not {_type_name(want)}"
+            raise GroupRejected("metadata", group, why)
+    key = group.metadata.get("prompt_key", group.group_id)
+    if not key:
+        raise GroupRejected("metadata", group, "metadata 'prompt_key' is empty")
+    if limits is None:
+        return key
+    top = max(_highest(group.prompt_ids), _highest(group.response_ids))
+    if top >= limits.vocab_size:
+        why = f"token id {top} is outside the vocabulary ({limits.vocab_size} ids)"
+        raise GroupRejected("vocab", group, why)
+    newest, current = _highest(group.versions), limits.version()
+    if newest > current:
+        why = f"a token claims policy version {newest}, the learner is at {current}"
+        raise GroupRejected("version", group, why)
+    return key
+
+
+def _highest(a: np.ndarray) -> int:
+    return int(np.maximum.reduce(a)) if a.size else -1
+
+
+def _type_name(want: type | tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in want) if isinstance(want, tuple) else want.__name__
+
+
+class GroupPump:
+    """A thread: ZMQ receiver → replay queue. Every group passes `check_group` first; a refused
+    one is counted (`rejected_groups`, `rejected_groups/<check>`), logged in one line and
+    dropped, and its prompt leaves the in-flight ledger (so no admission slot leaks; a retry
+    would only yield the same group). A duplicate (a re-issued prompt delivered twice) is
+    counted and dropped. A receiver failure or an unexpected error stops the pump and is
+    raised by `check`."""
+
+    def __init__(
+        self, receiver: Receiver, queue: ReplayQueue, limits: GroupLimits | None = None
+    ) -> None:
+        self.receiver, self.queue, self.limits = receiver, queue, limits
         self.counters: Counter[str] = Counter()
+        self.last_rejection = ""
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="asyncrl-pump", daemon=True)
@@ -68,13 +164,53 @@ class GroupPump:
                 self.error = e
                 return
             try:
-                self.queue.put(group, prompt_key=group.metadata.get("prompt_key"))
-            except DuplicateGroupError:
-                self.counters["duplicate_groups"] += 1
+                self.deliver(group)
+            except Exception as e:  # noqa: BLE001 - a bug, not a bad group: fail the run
+                self.counters["pump_failed"] += 1
+                self.error = e
+                return
+
+    def deliver(self, group: TrajectoryGroup) -> bool:
+        """Check one group and put it into the queue; False if it was refused or a duplicate."""
+        try:
+            key = check_group(group, self.limits)
+        except GroupRejected as e:
+            self._reject(group, e)
+            return False
+        try:
+            self.queue.put(group, prompt_key=key)
+        except DuplicateGroupError:
+            self.counters["duplicate_groups"] += 1
+            return False
+        return True
+
+    def _reject(self, group: TrajectoryGroup, e: GroupRejected) -> None:
+        self.counters["rejected_groups"] += 1
+        self.counters[f"rejected_groups/{e.kind}"] += 1
+        self.last_rejection = str(e)
+        count = self.counters["rejected_groups"]
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood cannot flood the log
+            log.warning("refused received group #%d: %s", count, e)
+        key = group.metadata.get("prompt_key", group.group_id)
+        # Only this thread removes ledger entries, so the test and the removal cannot race.
+        if isinstance(key, str) and key in self.queue.admission.ledger:
+            self.queue.admission.delivered(key, accepted=False)
 
     def check(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"transport receiver stopped: {self.error}")
+            e = self.error
+            raise RuntimeError(f"receive pump stopped: {type(e).__name__}: {e}") from e
+
+    def diagnosis(self) -> str:
+        """What the receive side refused lately, for a timeout's message ('' if nothing)."""
+        out, stats = "", self.receiver.stats()
+        if self.counters["rejected_groups"]:
+            out += f"; groups refused: {self.counters['rejected_groups']}"
+            out += f" (last: {self.last_rejection})"
+        if stats.rejected or stats.unauthenticated:
+            out += f"; messages dropped: {stats.rejected} undecodable, "
+            out += f"{stats.unauthenticated} unauthenticated (last: {stats.last_error})"
+        return out
 
 
 class Orchestrator:
@@ -102,7 +238,7 @@ class Orchestrator:
                 return groups
         raise TimeoutError(
             f"no batch of {n} groups within {self.rollout.request_timeout_s * 2:.0f}s; "
-            f"last rollout error: {self.dispatcher.last_error or 'none'}"
+            f"last rollout error: {self.dispatcher.last_error or 'none'}{self.pump.diagnosis()}"
         )
 
     def sync_weights(self) -> dict[str, float]:
@@ -123,6 +259,7 @@ class Orchestrator:
         out.update({f"rollout/{k}": float(v) for k, v in self.pump.counters.items()})
         stats = self.pump.receiver.stats()
         out.update({"transport/received": stats.received, "transport/rejected": stats.rejected})
+        out["transport/unauthenticated"] = stats.unauthenticated
         return out
 
     # -- checkpoint --------------------------------------------------------------------------

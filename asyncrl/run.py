@@ -16,12 +16,13 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checkpoint import Checkpointer
+from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
 from asyncrl.data.prompts import PromptSource
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.metrics import MetricsLogger
 from asyncrl.metrics.batch import BatchMetrics, TrainedGroupLog
+from asyncrl.metrics.rundir import claim_output_dir, roll_back
 from asyncrl.orchestrator import Orchestrator, resolve_model
 from asyncrl.replay.filters import dapo_zero_variance
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
@@ -29,8 +30,13 @@ from asyncrl.rollout.evaluation import Evaluator
 from asyncrl.rollout.settings import RolloutSettings
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
+    """Train as `cfg` says. output_dir belongs to one run: a fresh run into one that holds a
+    run is refused unless `overwrite`, which first moves that run's files into
+    `output_dir/.overwritten-<time>/`; `actor.checkpoint.resume` continues it instead."""
     out = Path(cfg.output_dir)
+    ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents)
+    found = claim_output_dir(out, ckpt, cfg.actor.checkpoint, overwrite)  # before any start
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(cfg.actor_train.model_args)
     plan = derive_plan(cfg)
@@ -40,21 +46,21 @@ def run(cfg: Config) -> dict[str, Any]:
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=cfg.actor_infer.generating_args.temperature,
         total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
+        reference=cfg.reference,
     )  # fmt: skip
     filters = (dapo_zero_variance,) if cfg.algorithm.filter_zero_variance_groups else ()
     queue = ReplayQueue(
         ReplayConfig(cfg.async_.max_staleness, cfg.rollout_batch_size, filters=filters)
     )
-    ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents)
-    resumed = resume(ckpt, cfg, learner, queue, prompts)
+    step = resume(found, ckpt, cfg, learner, queue, prompts)
     logger = MetricsLogger(
-        out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=bool(resumed)
+        out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=found is not None
     )
     audit, batch_metrics = TrainedGroupLog(out), BatchMetrics()
     with logger, closing(learner), ExitStack() as stack:
         rollout, evaluator = start_rollout(stack, cfg, model_dir, queue, prompts, learner)
-        step = resumed.get("step", 0)
-        logger.log(step, evaluator.maybe(step, learner))
+        if found is None:  # a resumed step's evaluation is in its row already
+            logger.log(step, evaluator.maybe(step, learner))
         while step < cfg.max_steps:
             waited = time.perf_counter()
             groups = rollout.take_batch(cfg.rollout_batch_size, learner.version)
@@ -85,33 +91,49 @@ def start_rollout(
 ) -> tuple[Orchestrator, Evaluator]:
     """Every thread and process of the rollout side, in start order; `stack` stops them in
     reverse (a stop that fails is reported and the others still run)."""
+    import secrets
+
     from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
-    from asyncrl.orchestrator import GroupPump
+    from asyncrl.orchestrator import GroupLimits, GroupPump, model_vocab_size
+    from asyncrl.rewards import get_reward_fn
     from asyncrl.rollout.dispatch import Dispatcher
     from asyncrl.rollout.ray_pool import RayWorkerPool
     from asyncrl.transport.zmq import Receiver, ReceiverConfig
 
     ro = cfg.rollout
+    get_reward_fn(ro.reward_fn)  # a bad reward_fn fails here, in one line, before any start
+    # The run's secrets, one per purpose: the engine key may show on an engine's command line
+    # (SGLang's --api-key), and must not let its reader sign groups. Passed as arguments
+    # (Ray does not log actor arguments), never printed.
+    transport_secret, engine_api_key = secrets.token_bytes(32), secrets.token_hex(32)
     runner = AsyncRunner()  # thread: the control plane's event loop (health, sync, eval)
     _stop_later(stack, runner.close)
-    receiver = Receiver(ReceiverConfig(host=ro.transport_host, port=ro.transport_port))
-    _stop_later(stack, receiver.close)  # a ZMQ PULL socket, read by the pump below
+    # Only connections that prove the secret are read: PLAIN on loopback, CURVE elsewhere.
+    receiver = Receiver(
+        ReceiverConfig(host=ro.transport_host, port=ro.transport_port, secret=transport_secret)
+    )
+    _stop_later(stack, receiver.close)  # a ZMQ PULL socket, read by the pump; a ZAP thread
     fleet = EngineFleet(
         cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, model_dir, Path(cfg.output_dir),
         seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
+        api_key=engine_api_key,
     )  # fmt: skip
     _stop_later(stack, fleet.stop)
     fleet.start(learner)  # processes: engine servers (+ router); weights of the learner's version
 
     def settings(index: int) -> RolloutSettings:
-        return rollout_settings(cfg, model_dir, fleet.urls_for_worker(index), receiver.port)
+        urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
+        return rollout_settings(
+            cfg, model_dir, urls, receiver.port, transport_secret, fleet.api_key
+        )
 
     pool = RayWorkerPool(settings, ro.num_actors)  # processes: Ray actors, the rollout workers
     _stop_later(stack, pool.close)
     dispatcher = Dispatcher(pool, queue, prompts.next_item, ro.max_inflight_prompts)
     _stop_later(stack, dispatcher.start().stop)  # thread: prompts → rollout workers
-    pump = GroupPump(receiver, queue)
+    limits = GroupLimits(model_vocab_size(model_dir), lambda: learner.version)
+    pump = GroupPump(receiver, queue, limits)
     _stop_later(stack, pump.__enter__().__exit__)  # thread: receiver → replay queue
     _stop_later(stack, queue.close)  # first to run at exit: wakes a blocked take
     heldout = prompts.heldout_items(cfg.logging.eval_size)
@@ -120,9 +142,15 @@ def start_rollout(
 
 
 def rollout_settings(
-    cfg: Config, model_dir: Path, engine_urls: list[str], transport_port: int = 0
+    cfg: Config,
+    model_dir: Path,
+    engine_urls: list[str],
+    transport_port: int = 0,
+    transport_secret: bytes | None = None,
+    engine_api_key: str | None = None,
 ) -> RolloutSettings:
-    """A rollout worker's own sub-config: the run config's sections, passed whole."""
+    """A rollout worker's own sub-config: the run config's sections, passed whole, and the
+    run's secrets (the transport's MAC key, the engines' API key; None: none)."""
     host = cfg.rollout.transport_host
     return RolloutSettings(
         engine_urls=engine_urls,
@@ -136,6 +164,8 @@ def rollout_settings(
         n=cfg.num_return_sequences_in_group,
         response_length=cfg.response_length,
         seed=cfg.seed,
+        transport_secret=transport_secret,
+        engine_api_key=engine_api_key,
     )
 
 
@@ -155,21 +185,29 @@ def ckpt_due(cfg: Config, step: int) -> bool:
 
 
 def resume(
-    ckpt: Checkpointer, cfg: Config, learner: Learner, queue: ReplayQueue, prompts: PromptSource
-) -> dict[str, Any]:
+    found: Loaded | None,
+    ckpt: Checkpointer,
+    cfg: Config,
+    learner: Learner,
+    queue: ReplayQueue,
+    prompts: PromptSource,
+) -> int:
     """Restore learner, data position, queue contents and the in-flight ledger (its prompts
-    are re-issued first)."""
-    path = ckpt.find(cfg.actor.checkpoint.resume)
-    if path is None:
-        return {}
-    contents = set(cfg.actor.checkpoint.load_contents or cfg.actor.checkpoint.save_contents)
-    extra = ckpt.load(path, learner, contents)
+    are re-issued first) from `found`, and roll the run back to its step (logs, later
+    checkpoints). Returns the step to continue from: the checkpoint's, or 0 for a fresh run."""
+    if found is None:
+        return 0
+    extra = found.apply(learner, load_contents(cfg.actor.checkpoint))
     if extra:
         prompts.load_state_dict(extra["prompts"])
         # the ledger is stored once, as `outstanding`; loaded now so admission counts it
         queue.load_state_dict({**extra["queue"], "outstanding": extra.get("outstanding", [])})
     queue.set_version(learner.version)
-    print(
-        f"asyncrl: resumed from {path} at step {extra.get('step', '?')}, version {learner.version}"
-    )
-    return extra
+    roll_back(Path(cfg.output_dir), ckpt, found)
+    print(f"asyncrl: resumed from {found.path} at step {found.step}, version {learner.version}")
+    if not extra:
+        print(
+            "asyncrl: resumed the learner only (load_contents has no extra): the data "
+            "position, replay queue and RNG start afresh"
+        )
+    return found.step

@@ -3,14 +3,19 @@
 For groups of 1k, 4k and 16k response tokens (n=8 responses, 256 prompt tokens, 13 bytes per
 token on the wire) it measures groups/s and GB/s of:
 
-- codec+zmq: a sender process encodes each group and PUSHes it (asyncrl.transport.zmq.Sender);
-  this process's consumer `get`s it from the Receiver, which reads and decodes it in `get`.
+- codec+zmq: a sender process connects with the run's secret (ZMTP PLAIN, as a run's workers
+  reach a receiver bound to loopback), encodes each group and PUSHes it
+  (asyncrl.transport.zmq.Sender); this process's consumer `get`s it from the Receiver, which
+  reads and decodes it in `get`. Authentication is per connection: no per-message cost.
+- codec+zmq, CURVE: the same over CURVE, as a run whose receiver binds a routable address
+  (0.0.0.0, an interface): libzmq's I/O threads encrypt and decrypt every byte.
 - raw zmq: the same sender PUSHes the same frames, encoded once beforehand; this process only
   `recv_multipart`s them (no decode). The ceiling for any codec on this channel.
 - ray: a Ray actor method takes the TrajectoryGroup as its argument; `ray.get` on every call
   (ray sync, the baseline named in the issue), and with 32 calls in flight (ray pipelined).
 
-Targets: codec+zmq >= 10x ray (sync) and >= 0.8x raw zmq. Prints a table, writes
+Targets: codec+zmq >= 10x ray (sync) and >= 0.8x raw zmq (CURVE's ratio is reported, not held
+to it: encryption is the price of a routable network, not the codec's). Prints a table, writes
 bench/results/transport.json and transport.png and compares with the recorded baseline.
 
     asyncrl bench transport [--smoke] [--quick] [--skip-ray] [--repeats N] [--record-baseline]
@@ -19,6 +24,7 @@ bench/results/transport.json and transport.png and compares with the recorded ba
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -35,6 +41,9 @@ from asyncrl.types import TrajectoryGroup
 SIZES = (1024, 4096, 16384)
 HWM = 128
 TARGET_RAY, TARGET_RAW = 10.0, 0.8
+#: The sender process reads the run's secret from here (hex), as a worker gets it from its
+#: settings: never on a command line.
+SECRET_ENV = "ASYNCRL_BENCH_SECRET"
 
 
 def synthetic_group(tokens: int, n: int = 8, prompt: int = 256, seed: int = 0) -> TrajectoryGroup:
@@ -65,11 +74,13 @@ def _groups(tokens: int, k: int = 8) -> list[TrajectoryGroup]:
 def _sender_main(mode: str, tokens: int, count: int, port: int) -> None:
     groups = _groups(tokens)
     frames = [encode_group(g) for g in groups]
-    config = SenderConfig(port=port, hwm=HWM, send_timeout_s=120.0)
+    secret = bytes.fromhex(os.environ[SECRET_ENV]) if mode != "raw" else None
+    curve = mode == "curve"
+    config = SenderConfig(port=port, hwm=HWM, send_timeout_s=120.0, secret=secret, curve=curve)
     with Sender(config) as sender:
         cpu = time.process_time()
         for i in range(count):
-            if mode == "codec":
+            if mode != "raw":
                 sender.send(groups[i % len(groups)])
             else:
                 sender.send_frames(frames[i % len(frames)])
@@ -77,9 +88,14 @@ def _sender_main(mode: str, tokens: int, count: int, port: int) -> None:
         time.sleep(1.0)  # linger=0: keep the socket open until the receiver has drained it
 
 
-def _spawn_sender(mode: str, tokens: int, count: int, port: int) -> subprocess.Popen:
+def _spawn_sender(
+    mode: str, tokens: int, count: int, port: int, secret: bytes | None = None
+) -> subprocess.Popen:
     args = [sys.executable, os.path.abspath(__file__), "--_sender", mode]
-    return subprocess.Popen([*args, str(tokens), str(count), str(port)], stdout=subprocess.PIPE)
+    env = {**os.environ, SECRET_ENV: secret.hex()} if secret else None
+    return subprocess.Popen(
+        [*args, str(tokens), str(count), str(port)], stdout=subprocess.PIPE, env=env
+    )
 
 
 def _sender_cpu(proc: subprocess.Popen) -> float:
@@ -88,10 +104,13 @@ def _sender_cpu(proc: subprocess.Popen) -> float:
 
 
 # -- receiver side: each returns (wall seconds per group, CPU seconds per group, both sides) ----
-def run_codec_zmq(tokens: int, count: int) -> tuple[float, float]:
-    """First record to last, through Sender.send -> Receiver.get (recv + decode)."""
-    with Receiver(ReceiverConfig(hwm=HWM)) as receiver:
-        proc = _spawn_sender("codec", tokens, count, receiver.port)
+def run_codec_zmq(tokens: int, count: int, curve: bool = False) -> tuple[float, float]:
+    """First record to last, through Sender.send -> Receiver.get (recv + decode), on a
+    connection authenticated with a fresh secret (PLAIN, or CURVE)."""
+    secret = secrets.token_bytes(32)
+    with Receiver(ReceiverConfig(hwm=HWM, secret=secret, curve=curve)) as receiver:
+        mode = "curve" if curve else "plain"
+        proc = _spawn_sender(mode, tokens, count, receiver.port, secret)
         try:
             receiver.get(timeout_s=60)
             wall, cpu = time.perf_counter(), time.process_time()
@@ -100,7 +119,8 @@ def run_codec_zmq(tokens: int, count: int) -> tuple[float, float]:
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         finally:
             sender_cpu = _sender_cpu(proc)
-        assert receiver.stats().rejected == 0
+        stats = receiver.stats()
+        assert stats.rejected == 0 and stats.unauthenticated == 0
     return wall / (count - 1), (cpu + sender_cpu) / count
 
 
@@ -158,9 +178,11 @@ def _measure(tokens: int, quick: bool, skip_ray: bool, repeats: int) -> dict[str
     zmq_count = int((0.2 if quick else 1.0) * 8000 * (1024 / tokens) ** 0.5)
     ray_count = int((0.1 if quick else 1.0) * 2000 * (1024 / tokens) ** 0.5)
     nbytes = message_nbytes(encode_group(synthetic_group(tokens)))
-    trials: dict[str, list[tuple[float, float]]] = {"codec_zmq": [], "raw_zmq": []}
+    trials: dict[str, list[tuple[float, float]]] = {"codec_zmq": [], "codec_zmq_curve": []}
+    trials["raw_zmq"] = []
     for _ in range(repeats):
         trials["codec_zmq"].append(run_codec_zmq(tokens, zmq_count))
+        trials["codec_zmq_curve"].append(run_codec_zmq(tokens, zmq_count, curve=True))
         trials["raw_zmq"].append(run_raw_zmq(tokens, zmq_count))
     if not skip_ray:
         trials["ray_sync"] = [(run_ray(tokens, ray_count, in_flight=1), 0.0)]
@@ -178,6 +200,7 @@ def _measure(tokens: int, quick: bool, skip_ray: bool, repeats: int) -> dict[str
             "trials_groups_per_s": [1.0 / w for w, _ in runs],
         }
     row["vs_raw_zmq"] = sec["raw_zmq"] / sec["codec_zmq"]
+    row["curve_vs_raw_zmq"] = sec["raw_zmq"] / sec["codec_zmq_curve"]
     row["cpu_vs_raw_zmq"] = (
         row["raw_zmq"]["cpu_us_per_group"] / row["codec_zmq"]["cpu_us_per_group"]
     )
@@ -187,23 +210,27 @@ def _measure(tokens: int, quick: bool, skip_ray: bool, repeats: int) -> dict[str
     return row
 
 
+METHODS = ("codec_zmq", "codec_zmq_curve", "raw_zmq", "ray_sync", "ray_pipelined")
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    methods = [m for m in ("codec_zmq", "raw_zmq", "ray_sync", "ray_pipelined") if m in rows[0]]
+    methods = [m for m in METHODS if m in rows[0]]
     head = f"{'tokens':>6} {'KB/grp':>7} | " + " | ".join(f"{m:>19}" for m in methods)
-    print(head + " | vs raw (cpu/group) | vs ray sync | vs ray pipe")
+    print(head + " | vs raw (cpu/group) | CURVE vs raw | vs ray sync | vs ray pipe")
     print(f"{'':>6} {'':>7} | " + " | ".join(f"{'grp/s':>10} {'GB/s':>8}" for _ in methods))
     for r in rows:
         cells = " | ".join(
             f"{r[m]['groups_per_s']:>10.0f} {r[m]['gb_per_s']:>8.3f}" for m in methods
         )
         ratios = f" | {r['vs_raw_zmq']:>5.2f}x ({r['cpu_vs_raw_zmq']:.2f}x cpu)"
+        ratios += f" | {r['curve_vs_raw_zmq']:>11.2f}x"
         if "vs_ray_sync" in r:
             ratios += f" | {r['vs_ray_sync']:>10.1f}x | {r['vs_ray_pipelined']:>10.1f}x"
         print(f"{r['tokens']:>6} {r['bytes_per_group'] / 1024:>7.1f} | {cells}{ratios}")
 
 
 def _plot(rows: list[dict[str, Any]], ax: Any) -> None:
-    methods = [m for m in ("codec_zmq", "raw_zmq", "ray_sync", "ray_pipelined") if m in rows[0]]
+    methods = [m for m in METHODS if m in rows[0]]
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(rows))]

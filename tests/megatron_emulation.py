@@ -9,7 +9,8 @@ all run for real. Activation recompute is out of reach (it saves CUDA RNG states
     python tests/megatron_emulation.py MODEL_DIR OUT_JSON TP PP [VOCAB] [EXTRA_JSON] [DTYPE]
 
 compares two ranks (world 2) of `MegatronWorker` with `TorchLearner` (one process, fp32) on
-the same batch and writes the differences to OUT_JSON.
+the same batch and writes the differences to OUT_JSON. EXTRA_JSON updates the Megatron
+`strategy_config`, except its key "algorithm": `algorithm.*` settings for both learners.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     from asyncrl.learner.megatron.worker import MegatronWorker
 
     _, cfg = g.configs(setup["tp"], "[0,1]")
+    for key, value in setup["algorithm"].items():
+        setattr(cfg.algorithm, key, value)
     cfg.actor_train.strategy_args.strategy_config.update(
         tensor_model_parallel_size=setup["tp"], pipeline_model_parallel_size=setup["pp"],
         **setup["extra"],
@@ -122,10 +125,13 @@ def main() -> None:
     src, out_json, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     vocab = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    algorithm = extra.pop("algorithm", {})
     dtype = sys.argv[7] if len(sys.argv) > 7 else "fp32"
     work = out_json.parent / "work"
     model_dir = tiny_variant(src, work / "model", vocab, tied=pp == 1)
     tcfg, _ = g.configs()
+    for key, value in algorithm.items():
+        setattr(tcfg.algorithm, key, value)
     ref = TorchLearner(model_dir, tcfg.actor_train, tcfg.actor, tcfg.algorithm, temperature=0.7,
                        total_steps=10)  # fmt: skip
     batch = g.groups()
@@ -135,12 +141,13 @@ def main() -> None:
         want = token_logprobs(ref.model, data, 0.7)[0]
     ref_metrics = ref.step(batch)
     after = dict(ref.weights_for_sync())
-    setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype}
+    setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype, "algorithm": algorithm}
     init = f"tcp://127.0.0.1:{free_port()}"
     mp.spawn(rank_main, args=(2, init, str(model_dir), setup, str(work)), nprocs=2)
     ranks = [torch.load(work / f"rank{r}.pt") for r in range(2)]
     last = next(r for r in ranks if r["lp"] is not None)
-    keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/mismatch_training_ppl")
+    keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/mismatch_training_ppl",
+            "learner/adv_mean", "learner/adv_max", "learner/adv_min")  # fmt: skip
     result = {
         "logprob_max_diff": (last["lp"][mask] - want[mask]).abs().max().item(),
         "metrics": {k: [ref_metrics[k], last["metrics"][k]] for k in keys},

@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 
 from asyncrl.algo.advantages import (
     ADV_ESTIMATORS,
+    ESTIMATOR_STAGES,
     AdvantageParams,
+    batch_outcome_advantages,
     broadcast_to_tokens,
     compute_advantages,
+    estimator_stage,
     filter_zero_variance_groups,
     gae_advantages,
     get_adv_estimator,
@@ -155,6 +158,98 @@ def test_reinforce_plus_plus_baseline():
     var = 2 * (3 * 0.25**2 + 0.75**2) / 7  # unbiased over the 8 tokens
     assert torch.allclose(adv, (centred / math.sqrt(var + 1e-8))[:, None].expand(4, 2))
     assert torch.equal(adv, ret)
+
+
+def test_outcome_token_rewards_on_an_episode_sit_on_the_last_generated_token():
+    # two turns of generated tokens around an observation (mask 0), then right padding
+    mask = t([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 0, 0, 0]])
+    out = outcome_token_rewards(t([0.5, -1.0]), mask)
+    assert out.tolist() == [[0.0] * 5 + [0.5, 0.0], [-1.0] + [0.0] * 6]
+
+
+def _whiten(values: list[float]) -> list[float]:
+    """verl's masked_whiten on a flat list of valid values: unbiased variance, eps 1e-8."""
+    mean = math.fsum(values) / len(values)
+    var = math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+def _spread(flat: list[float], mask: torch.Tensor) -> torch.Tensor:
+    """Valid values (row-major) back into a [B, T] matrix, 0 outside the mask."""
+    out = torch.zeros(mask.shape, dtype=D)
+    out[mask.bool()] = t(flat)
+    return out
+
+
+BATCH_MASK = [[1, 1, 1], [1, 1, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("gamma", "returns"),
+    [
+        (1.0, [1.0, 1.0, 1.0, 0.0, 0.0, 2.0]),  # every token carries its row's score
+        (0.5, [0.25, 0.5, 1.0, 0.0, 0.0, 2.0]),  # gamma^(distance to the scored last token)
+    ],
+)
+def test_reinforce_plus_plus_batch_closed_form(gamma, returns):
+    mask = t(BATCH_MASK)
+    params = AdvantageParams(gamma=gamma)
+    adv = batch_outcome_advantages("reinforce_plus_plus", t([1.0, 0.0, 2.0]), mask, 3, params)
+    assert torch.allclose(adv, _spread(_whiten(returns), mask), rtol=1e-12, atol=1e-12)
+    _, ret = reinforce_pp_advantages(outcome_token_rewards(t([1.0, 0.0, 2.0]), mask), mask, gamma)
+    assert torch.allclose(ret, _spread(returns, mask))
+
+
+def test_reinforce_plus_plus_carries_the_return_across_observation_tokens():
+    # Token 1 is an environment observation: not an action, so no discount step and its reward
+    # (5.0, which the outcome placement never puts there) is ignored; returns are 0 off-mask.
+    rewards, mask = t([[0.0, 5.0, 1.0, 0.0]]), t([[1, 0, 1, 0]])
+    adv, ret = reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    assert ret.tolist() == [[0.5, 0.0, 1.0, 0.0]]
+    assert torch.allclose(adv, _spread(_whiten([0.5, 1.0]), mask))
+
+
+def test_reinforce_plus_plus_baseline_batch_closed_form():
+    # groups: rows 0-2 (scores 1, 0, 2: mean 1), row 3 alone (keeps 3), rows 4-5 where row 5
+    # is a failed episode (no valid token): left out, so row 4 is alone and keeps 4, not 4 - 2.
+    mask = t([[1, 1], [1, 0], [1, 0], [1, 1], [1, 0], [0, 0]])
+    scores, ids = t([1.0, 0.0, 2.0, 3.0, 4.0, 0.0]), [0, 0, 0, 1, 2, 2]
+    adv = batch_outcome_advantages("reinforce_plus_plus_baseline", scores, mask, ids)
+    centred_per_token = [0.0, 0.0, -1.0, 1.0, 3.0, 3.0, 4.0]
+    assert torch.allclose(adv, _spread(_whiten(centred_per_token), mask), atol=1e-12)
+    assert (adv[5] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("seed", range(5))
+def test_batch_whitening_invariants(name, gamma, seed):
+    """Over the valid tokens of the batch: mean 0 and unbiased std 1 (up to the 1e-8 epsilon);
+    exactly 0 outside the mask, however ragged the rows and masked the observations."""
+    g = torch.Generator().manual_seed(seed)
+    batch, width = 12, 9
+    mask = (torch.rand(batch, width, generator=g) < 0.8).to(D)
+    mask[0] = 0.0  # a failed episode
+    scores = torch.randint(0, 3, (batch,), generator=g).to(D) + torch.rand(batch, generator=g)
+    ids = torch.arange(batch) // 4
+    params = AdvantageParams(gamma=gamma)
+    adv = batch_outcome_advantages(name, scores, mask, ids, params)
+    valid = adv[mask.bool()]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-9)
+    assert valid.std().item() == pytest.approx(1.0, rel=1e-6)
+    assert (adv[mask == 0] == 0).all()
+
+
+def test_estimator_stages_and_gae_without_a_critic():
+    assert set(ESTIMATOR_STAGES) == set(ADV_ESTIMATORS)
+    assert [estimator_stage(n) for n in ("grpo", "drgrpo", "rloo")] == ["rollout"] * 3
+    assert estimator_stage("reinforce_plus_plus_baseline") == "batch"
+    assert estimator_stage("gae") == "critic"
+    with pytest.raises(ValueError, match="valid: drgrpo, gae"):
+        estimator_stage("remax")
+    mask = torch.ones(2, 3, dtype=D)
+    with pytest.raises(ValueError, match="'gae' needs a critic"):
+        batch_outcome_advantages("gae", t([1.0, 0.0]), mask, 2)
 
 
 def test_gae_hand_unrolled():

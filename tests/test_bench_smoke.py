@@ -81,3 +81,26 @@ def test_baseline_regressions_are_flagged(tmp_path):
     assert common.compare(ok, baseline, 0.25) == []
     flagged = common.compare(bad, baseline, 0.25)
     assert [line.split(":")[0] for line in flagged] == ["speed", "latency"]
+
+
+def _listed(text: str) -> dict[str, str]:
+    """`name  first docstring line` rows of the bench listing."""
+    rows = [line.split(None, 1) for line in text.splitlines() if line.startswith("  ")]
+    return {row[0]: row[1] for row in rows if len(row) == 2}
+
+
+def test_bench_help_and_bare_bench_list_every_bench(capsys):
+    import ast
+
+    expected = {
+        p.stem.replace("_", "-"): ast.get_docstring(ast.parse(p.read_text())).splitlines()[0]
+        for p in BENCH.glob("*.py")
+        if p.stem != "common"
+    }
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    listed = _listed(capsys.readouterr().out)
+    assert {k: listed.get(k) for k in expected} == expected
+    assert main(["bench"]) == 2
+    assert {k: v for k, v in _listed(capsys.readouterr().out).items() if k in expected} == expected

@@ -53,10 +53,12 @@ class FakeEngine:
         self.status = 200
         self.delay = 0.0
         self.bodies: list[tuple[str, object]] = []
+        self.auth: list[str | None] = []  # the Authorization header of every request
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
         self.bodies.append((request.path, body))
+        self.auth.append(request.headers.get("Authorization"))
         await asyncio.sleep(self.delay)
         if isinstance(self.reply, str):
             return web.Response(text=self.reply, status=self.status)
@@ -139,6 +141,7 @@ def test_malformed_replies_raise_engine_reply_error(reply, problem):
     asyncio.run(with_fake(test))
 
 
+@pytest.mark.timing
 def test_http_errors_timeouts_and_down_engines():
     async def test(fake, client):
         fake.status, fake.reply = 500, {"object": "error", "message": "boom"}
@@ -218,3 +221,29 @@ def test_per_token_versions_extension_is_parsed_and_checked():
     meta["output_token_weight_versions"] = ["x", "3"]
     with pytest.raises(EngineReplyError, match="non-integer"):
         parse_completion("u", reply, True)
+
+
+def test_api_key_is_sent_as_a_bearer_header_on_every_call():
+    async def test(fake, client):
+        await client.generate_one(REQ)
+        assert fake.auth == [None]  # no key: no header
+        keyed = EngineClient(client.url, control_timeout=1, api_key="s3cret")
+        try:
+            await keyed.generate_one(REQ)
+            await keyed.pause("abort")
+            assert await keyed.health()
+            assert fake.auth[1:] == ["Bearer s3cret"] * 3
+            assert "s3cret" not in repr(keyed)
+        finally:
+            await keyed.close()
+
+    asyncio.run(with_fake(test))
+
+
+def test_health_takes_its_own_timeout():
+    async def test(fake, client):
+        fake.delay = 0.5
+        assert not await client.health(timeout_s=0.1)  # a hung engine: False, in bounded time
+        assert await client.health(timeout_s=5)
+
+    asyncio.run(with_fake(test))

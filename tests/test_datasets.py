@@ -145,3 +145,32 @@ def test_multiple_files(tmp_path):
     b = write(tmp_path / "b.csv", ROWS[3:5], "csv")
     records = load_records([a, b])
     assert len(records) == 5 and records[4].source == str(b) and records[4].where == "row 2"
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "where"),
+    [
+        ("p.jsonl", b'{"prompt": "1+1="}\n\n{"prompt": "caf\xe9"}\n', "line 3"),
+        ("p.json", b'[\n {"prompt": "1+1="},\n {"prompt": "caf\xe9"}\n]', "line 3"),
+        ("p.csv", b"prompt,answer\n1+1=,2\ncaf\xe9,0\n", "line 3"),
+    ],
+)
+def test_non_utf8_byte_names_file_and_line(tmp_path, name, data, where):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(DatasetError) as info:
+        load_records(path)
+    assert str(info.value) == f"{path}: {where}: not UTF-8 text (byte 0xe9)"
+
+
+def test_byte_order_mark_and_bad_csv(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"prompt": "1+1="}\n')
+    (tmp_path / "a.json").write_bytes(bom + b'[{"prompt": "1+1="}]')
+    (tmp_path / "a.csv").write_bytes(bom + b"prompt\n1+1=\n")
+    for name in ("a.jsonl", "a.json", "a.csv"):
+        assert [r.prompt for r in load_records(tmp_path / name)] == ["1+1="]
+    huge = "x" * (csv.field_size_limit() + 1)
+    (tmp_path / "huge.csv").write_text(f"prompt\n1+1=\n{huge}\n")
+    with pytest.raises(DatasetError, match=r"huge.csv: line 3: invalid CSV \(field larger"):
+        load_records(tmp_path / "huge.csv")

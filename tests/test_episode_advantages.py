@@ -68,7 +68,14 @@ def test_env_section_loads_and_validates():
         (["env.name=gym", "env.max_turns=0"], "env.max_turns must be > 0"),
         (["env.name=gym", "env.gamma=1.5"], "env.gamma"),
         (["env.name=gym", "env.advantage_mode=td"], "env.advantage_mode"),
-        (["env.name=gym", "algorithm.adv_estimator=reinforce_plus_plus"], "(with env)"),
+        (
+            [
+                "env.name=gym",
+                "env.advantage_mode=per_step",
+                "algorithm.adv_estimator=reinforce_plus_plus",
+            ],
+            "(with env",
+        ),
         (["env.name=gym", "algorithm.overlong_buffer_len=4"], "not supported with env"),
         (["env.name=gym", "env.typo=1"], "unknown key 'env.typo'"),
     ],

@@ -214,6 +214,7 @@ async def _pause_during(c, mode, n=LONG):
     return out, flushed_while_paused
 
 
+@pytest.mark.timing
 def test_pause_abort(server, tiny):
     out, flushed = run(_with_client(server.url, lambda c: _pause_during(c, "abort")))
     assert out.finish_reason == "abort" and 0 < len(out.output_ids) < LONG
@@ -221,6 +222,7 @@ def test_pause_abort(server, tiny):
     assert_logprobs_match(tiny[1], PROMPT, out, 1.0)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("mode,flush_ok", [("retract", True), ("in_place", False)])
 def test_pause_retract_and_in_place(server, tiny, mode, flush_ok):
     out, flushed = run(_with_client(server.url, lambda c: _pause_during(c, mode)))
@@ -230,6 +232,7 @@ def test_pause_retract_and_in_place(server, tiny, mode, flush_ok):
     assert_logprobs_match(tiny[1], PROMPT, out, 1.0, atol=5e-4)
 
 
+@pytest.mark.timing
 def test_in_place_pause_stops_stepping(tiny):
     from asyncrl.engine.hf.batch import SamplingParams, Seq
     from asyncrl.engine.hf.engine import HFEngine
@@ -257,6 +260,7 @@ def test_in_place_pause_stops_stepping(tiny):
     engine.stop()
 
 
+@pytest.mark.timing
 def test_flush_cache_refused_while_running(server):
     async def go(c):
         req = GenerateRequest(PROMPT, {"max_new_tokens": LONG, "ignore_eos": True})
@@ -271,6 +275,7 @@ def test_flush_cache_refused_while_running(server):
     assert run(_with_client(server.url, go)) == (False, "abort", True)
 
 
+@pytest.mark.timing
 def test_client_hang_up_aborts_its_request(server):
     async def go():
         async with EngineClient(server.url) as c:
@@ -319,7 +324,20 @@ BAD_BODIES = [
     ("/init_weights_update_group", {"master_address": "127.0.0.1"}),
     ("/update_weight_version", {}),
     ("/abort_request", {}),
-]
+    # issue 14: these were 500s or accepted (the version "v1" broke every later reply)
+    ("/generate", b"[" * 100_000 + b"]" * 100_000),
+    ("/generate", b'{"input_ids": [1], "rid": ' + b"[" * 900 + b"]" * 900 + b"}"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}}),
+    ("/generate", {"input_ids": [1], "bogus_field": 1}),
+    ("/update_weight_version", {"new_version": {"a": 1}}),
+    ("/update_weight_version", {"new_version": "x" * 1000}),
+    ("/update_weight_version", {"new_version": "v1"}),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [], "shapes": [], "weight_version": [1]}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 10**30, "rank_offset": 1, "world_size": 2}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 0, "world_size": 2}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2, "timeout": 1e300}),
+    ("/abort_request", {"rid": {"a": 1}}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -337,7 +355,31 @@ def test_malformed_requests_get_400(server, path, body):
     assert err.value.code == 400
     reply = json.loads(err.value.read())
     assert reply["code"] == 400 and "\n" not in reply["message"] and reply["message"]
+    assert len(reply["message"]) <= 503  # one short line, whatever was sent
     assert run(_with_client(server.url, lambda c: c.health()))
+
+
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/update_weight_version", {"new_version": {"a": 1}}, "new_version"),
+        ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": {}}, "shapes"),
+        ("/init_weights_update_group", {"master_address": 1}, "master_address"),
+        ("/pause_generation", {"mode": ["abort"]}, "mode"),
+        ("/generate", {"input_ids": [1], "rid": 5}, "rid"),
+        ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
+        ("/generate", {"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num"),
+    ],
+)
+def test_a_bad_field_is_named(server, path, body, field):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400 and field in json.loads(err.value.read())["message"]
 
 
 def test_info_and_weight_version_endpoints(server):

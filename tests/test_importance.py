@@ -525,6 +525,67 @@ def test_normalize_weights_to_batch_mean():
     )
 
 
+def test_batch_normalize_at_sequence_levels_divides_by_the_mean_over_sequences():
+    # verl rollout_corr_math.md: w~_seq = w_seq / E[w_seq], E over sequences. Sequence weights
+    # 2 (2 tokens) and 1 (3 tokens); an empty row counts nowhere. Sequence mean 1.5, whereas
+    # the token mean would be 7 / 5.
+    weights = torch.tensor([[2.0, 2.0, 0.0], [1.0, 1.0, 1.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    want = torch.tensor([[4 / 3, 4 / 3, 0.0], [2 / 3, 2 / 3, 2 / 3], [0.0, 0.0, 0.0]])
+    for level in ("sequence", "geometric"):
+        torch.testing.assert_close(normalize_weights_to_batch_mean(weights, mask, level), want)
+    by_token = normalize_weights_to_batch_mean(weights, mask, "token")
+    torch.testing.assert_close(
+        by_token, torch.tensor([[10 / 7] * 2 + [0.0], [5 / 7] * 3, [0.0] * 3])
+    )
+    # a vetoed sequence (weight 0, still valid) counts in the mean; nothing valid: unchanged
+    vetoed = weights.clone()
+    vetoed[1] = 0.0
+    out = normalize_weights_to_batch_mean(vetoed, mask, "sequence")
+    torch.testing.assert_close(out[0], torch.tensor([2.0, 2.0, 0.0]))  # mean (2 + 0) / 2 = 1
+    zero = normalize_weights_to_batch_mean(torch.zeros(3, 3), mask, "sequence")
+    assert torch.equal(zero, torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="rollout_is_level"):
+        normalize_weights_to_batch_mean(weights, mask, "batch")
+
+
+def test_learner_batch_normalizes_sequence_weights_over_sequences():
+    from asyncrl.config.schema import AlgorithmConfig
+    from asyncrl.learner.objective import correct
+
+    alg = AlgorithmConfig(
+        rollout_is_level="sequence", rollout_is_batch_normalize=True, rollout_is_veto_threshold=None
+    )
+    old, rollout, mask = _tensors([[0.5, 0.0, 0.0], [0.0, -0.5, 0.0]], [[1, 0, 0], [1, 1, 1]])
+    weights, _, _ = correct(alg, "vanilla", old, rollout, mask)
+    per_seq = weights[:, 0]
+    assert per_seq.mean().item() == pytest.approx(1.0)
+    assert (per_seq[0] / per_seq[1]).item() == pytest.approx(math.e, rel=1e-6)
+
+
+def test_seq_std_is_unbiased_and_std_is_over_token_weights():
+    # token level: per-sequence mean weights a, b, c over three non-empty rows (a 4th is empty)
+    lr = [[0.5, -0.5, 0.0], [1.0, 0.0, 0.0], [0.2, 0.0, 0.0], [3.0, 3.0, 3.0]]
+    mask = [[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]]
+    _, m = _is(*_tensors(lr, mask), veto_threshold=None)
+    seq = [(math.exp(0.5) + math.exp(-0.5) + 1) / 3, (math.e + 1) / 2, math.exp(0.2)]
+    mean = sum(seq) / 3
+    unbiased = math.sqrt(sum((x - mean) ** 2 for x in seq) / 2)
+    assert m["mismatch/rollout_is_seq_std"] == pytest.approx(unbiased, rel=1e-6)
+    # rollout_is_std: population std of the six valid token weights, before truncation
+    w = [math.exp(x) for x in (0.5, -0.5, 0.0, 1.0, 0.0, 0.2)]
+    mu = sum(w) / 6
+    assert m["mismatch/rollout_is_std"] == pytest.approx(
+        math.sqrt(sum((x - mu) ** 2 for x in w) / 6), rel=1e-6
+    )
+    # sequence level: the sequence weight itself; one sequence has std 0, not NaN
+    _, m_seq = _is(*_tensors(lr[:2], mask[:2]), level="sequence", veto_threshold=None)
+    a, b = math.exp(0.0), math.exp(1.0)
+    assert m_seq["mismatch/rollout_is_seq_std"] == pytest.approx(abs(a - b) / math.sqrt(2))
+    _, one = _is(*_tensors(lr[:1], mask[:1]), level="sequence")
+    assert one["mismatch/rollout_is_seq_std"] == 0.0
+
+
 def test_bypass_uses_rollout_log_probs_and_weights_become_one():
     _, rollout, mask = _tensors(LR, MASK)
     recomputed = rollout + 0.3

@@ -51,9 +51,13 @@ def _mean(xs: list[float], empty: float = 0.0) -> float:
     return math.fsum(xs) / len(xs) if xs else empty
 
 
-def _std(xs: list[float]) -> float:
+def _std(xs: list[float], ddof: int = 0) -> float:
+    """Population std (ddof 0) or, with ddof 1, the unbiased one (verl's seq std); 0 when
+    there are no more values than ddof."""
+    if len(xs) <= ddof:
+        return 0.0
     m = _mean(xs)
-    return math.sqrt(_mean([(x - m) ** 2 for x in xs]))
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - ddof))
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -106,7 +110,7 @@ def _weight_metrics(rows: list, upper: float, lower: float) -> dict[str, float]:
     seq_w = [_mean(r[1]) for r in rows]
     out.update(
         rollout_is_seq_mean=_mean(seq_w, 1.0),
-        rollout_is_seq_std=_std(seq_w),
+        rollout_is_seq_std=_std(seq_w, ddof=1),
         rollout_is_seq_max=max(seq_w, default=1.0),
         rollout_is_seq_min=min(seq_w, default=1.0),
         rollout_is_seq_max_deviation=max((abs(x - 1.0) for x in seq_w), default=0.0),

@@ -1,7 +1,9 @@
 """The real Megatron learner (megatron-core 0.16) on the CPU, two ranks, against the torch
 learner: tensor parallel with a padded vocabulary, pipeline parallel, data parallel with the
-distributed optimizer. Megatron's CUDA-only calls are redirected (tests/megatron_emulation.py);
-skipped when megatron-core is not installed. The GPU runs live in tests/gpu/.
+distributed optimizer, and data parallel with a batch-level advantage estimator (REINFORCE++:
+each rank must whiten over the whole batch, not its shard). Megatron's CUDA-only calls are
+redirected (tests/megatron_emulation.py); skipped when megatron-core is not installed. The GPU
+runs live in tests/gpu/.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ CASES = {
     "pp2-untied": (1, 2, "-", {}),
     "dp2-distributed-optimizer": (1, 1, "-", {"use_distributed_optimizer": True,
                                               "overlap_grad_reduce": True}),
+    "dp2-reinforce-plus-plus": (1, 1, "-", {"algorithm": {"adv_estimator":
+                                                          "reinforce_plus_plus", "gamma": 0.9}}),
 }  # fmt: skip
 
 

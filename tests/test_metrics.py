@@ -272,3 +272,31 @@ def test_histogram_text_helpers():
     assert binned({0: 3, 2: 1}) == [("0", 3), ("1", 0), ("2", 1)]
     assert binned({0: 1, 7: 2, 20: 3}, max_bins=8)[-1] == ("≥7", 5)
     assert sparkline([8, 0, 1]) == "█ ▁" and sparkline([0, 0]) == ""
+
+
+def test_resume_purges_tensorboard_events_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    from asyncrl.metrics.rundir import purge_tensorboard
+
+    def scalars(folder: Path) -> list[tuple[int, float]]:
+        return sorted(
+            (e.step, v.simple_value)
+            for f in folder.glob("events.out.tfevents.*")
+            for e in LegacyEventFileLoader(str(f)).Load()
+            for v in e.summary.value
+        )
+
+    with MetricsLogger(tmp_path, cfg(tensorboard=True, plots=False), stream=io.StringIO()) as log:
+        for s in range(1, 6):
+            log.log(s, {"rollout/reward_mean": float(s)})
+    logdir = tmp_path / "tensorboard"
+    assert not purge_tensorboard(logdir, 5, tmp_path / "aside")  # nothing after step 5
+    assert purge_tensorboard(logdir, 3, tmp_path / "aside")
+    assert scalars(logdir) == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert scalars(tmp_path / "aside") == [(s, float(s)) for s in range(1, 6)]  # kept aside
+    # the resumed run's steps follow without a second series for steps 4 and 5
+    resumed = MetricsLogger(tmp_path, cfg(tensorboard=True, plots=False), append=True)
+    with resumed:
+        resumed.log(4, {"rollout/reward_mean": 40.0})
+    assert scalars(logdir) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]

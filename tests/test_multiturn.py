@@ -13,9 +13,10 @@ import torch
 from asyncrl.config.schema import EnvConfig, GeneratingArgs
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.hf.launch import launch_hf_server
+from asyncrl.orchestrator import GroupLimits, check_group
 from asyncrl.rollout.chat_tokens import TurnTemplate
 from asyncrl.rollout.multiturn import EpisodeBuilder, EpisodeError
-from asyncrl.rollout.settings import RolloutSettings
+from asyncrl.rollout.settings import PermanentRolloutError, RolloutSettings
 from asyncrl.rollout.single_turn import GroupBuilder
 from asyncrl.rollout.worker import make_builder
 from asyncrl.types import NOT_GENERATED, collate
@@ -101,6 +102,15 @@ def test_masks_versions_and_observation_tokens(server, tiny_model):
             assert ids[start:end].tolist() == expected
     assert group.metadata["env/observation_tokens"] == int((group.loss_mask == 0).sum())
     assert group.metadata["env/turns"] == 9 and group.metadata["env/failed"] == 0
+    # asyncrl's keys at the top, the prompt row's fields (the env seed) under "data"
+    assert group.metadata["prompt_key"] == "seed-3" and group.metadata["data"] == {"env_seed": 3}
+    assert check_group(group, GroupLimits(len(builder.tokenizer), lambda: 0)) == "seed-3"
+
+
+def test_a_prompt_without_env_seed_fails_permanently(server, tiny_model):
+    builder = EpisodeBuilder(settings(server, tiny_model))
+    with pytest.raises(PermanentRolloutError, match="has no env_seed"):
+        asyncio.run(builder.build(PromptItem("e0-i0", [1, 2], metadata={"answer": "2"})))
 
 
 def test_trajectory_and_per_step_advantages(server, tiny_model):
@@ -190,3 +200,15 @@ def test_aborted_turn_is_continued_from_its_partial_output(server, tiny_model):
     second = client.requests[1]
     assert second["input_ids"] == [40, 41, 5, 6, 7]
     assert second["sampling_params"]["max_new_tokens"] == 3
+
+
+def test_batch_estimators_leave_episode_advantages_to_the_learner(server, tiny_model):
+    """reinforce_plus_plus: the episodes carry their returns, no advantages; the learner
+    computes them over the whole batch (tests/test_batch_estimators.py)."""
+    from asyncrl.config.schema import AlgorithmConfig
+
+    s = settings(server, tiny_model)
+    s.algorithm = AlgorithmConfig(adv_estimator="reinforce_plus_plus")
+    _, group = build(s)
+    assert group.advantages is None
+    assert group.rewards.shape == (3,) and np.isfinite(group.rewards).all()

@@ -34,6 +34,8 @@ def test_stop_and_resume(tiny_model, tmp_path):
     resumed = [r for r in rows if r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["version"] for r in resumed] == [3, 4]  # the version continued from 2
+    steps = [r["step"] for r in _rows(tmp_path / "metrics.jsonl")]
+    assert steps == sorted(set(steps)), "a step was logged twice across the resume"
 
     trained = [i for r in _rows(tmp_path / "trained_groups.jsonl") for i in r["ids"]]
     assert len(trained) == len(set(trained)), "a group was trained twice across the resume"

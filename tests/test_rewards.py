@@ -100,3 +100,17 @@ def test_math_verify_installed():
     fn = get_reward_fn("math_verify")
     assert fn("What is 1/2+1/4?", "The answer is $\\frac{3}{4}$", {"answer": "0.75"}) == 1.0
     assert fn("What is 1/2+1/4?", "The answer is $\\frac{1}{4}$", {"answer": "0.75"}) == 0.0
+
+
+def test_check_reward_resolves_without_building(tmp_path, monkeypatch):
+    from asyncrl.rewards import check_reward
+
+    check_reward("math_verify")  # a name: its optional package is needed only when built
+    check_reward("asyncrl.rewards.arithmetic:arithmetic_exact")
+    with pytest.raises(RewardError, match="valid names: arithmetic_exact"):
+        check_reward("nope")
+    (tmp_path / "broken_reward_module.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="cannot import module .*SyntaxError") as err:
+        check_reward("broken_reward_module:f")
+    assert "\n" not in str(err.value)

@@ -258,3 +258,33 @@ def test_fake_flags_protocol_violations(tmp_path, tiny_model):
         assert any("'torch.float32' is not a bare torch dtype" in p for p in problems)
     finally:
         handle.stop()
+
+
+def test_api_key_reaches_servers_router_and_clients(tmp_path, tiny_model):
+    """With a key: each server gets `--api-key` (SGLang reads it from argv only), so does the
+    router (its key for calling workers); a client without it gets 401, /health* stays open."""
+    key = "sglang-test-key"
+    cfg = infer_cfg(tmp_path, tp=1, devices="[0,1]", load_format="dummy", **fake_env())
+    launcher = sl.SGLangLauncher(cfg.actor_infer, tiny_model, tmp_path, 0, SPECS["cpu"], key)
+    handles = [launcher.launch(i) for i in range(2)]
+    try:
+        argv = state(handles[0].url)["argv"]
+        assert argv[-2:] == ["--api-key", key]
+        (router,) = launcher.actor_urls([h.url for h in handles])
+        assert state(router)["argv"][-2:] == ["--api-key", key]
+
+        async def go():
+            req = GenerateRequest([3, 4], {"max_new_tokens": 2})
+            async with EngineClient(handles[0].url) as anonymous:
+                assert await anonymous.health()  # /health_generate needs no key
+                status, _ = await anonymous._call("POST", "/generate", {"input_ids": [3]})
+                assert status == 401
+            for url in (handles[0].url, router):  # the router adds the key towards workers
+                async with EngineClient(url, api_key=key) as client:
+                    assert len((await client.generate_one(req)).output_ids) == 2
+
+        asyncio.run(go())
+    finally:
+        launcher.close()
+        for h in handles:
+            h.stop()

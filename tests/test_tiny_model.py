@@ -139,7 +139,7 @@ def test_cached_second_call_does_not_rebuild(small_model_dir, monkeypatch):
 def test_concurrent_callers_build_once(tmp_path, monkeypatch):
     calls = []
 
-    def fake_build(out_dir, spec):
+    def fake_build(out_dir, spec, progress=False):
         calls.append(out_dir)
         (out_dir / "config.json").write_text("{}")
         (out_dir / MARKER).write_text(json.dumps({"warm_start_seconds": 0, "heldout_accuracy": 0}))
@@ -160,7 +160,7 @@ def test_concurrent_callers_build_once(tmp_path, monkeypatch):
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
-    def broken_build(out_dir, spec):
+    def broken_build(out_dir, spec, progress=False):
         (out_dir / "partial").write_text("x")
         raise RuntimeError("boom")
 
@@ -178,3 +178,25 @@ def test_spec_digest_and_cache_dir(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "asyncrl"
     monkeypatch.setenv("ASYNCRL_CACHE_DIR", str(tmp_path / "x"))
     assert default_cache_dir() == tmp_path / "x"
+
+
+def test_warm_start_reports_progress(tmp_path, capsys):
+    """A fresh build shows the warm-start's steps, loss and ETA (a plain line every 10 % of the
+    steps when stderr is not a terminal, as here; a rich bar on one)."""
+    spec = TinyModelSpec(
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        train_rows=64,
+        heldout_rows=8,
+        steps=5,
+        batch_size=8,
+    )
+    ensure_embedded_model(tmp_path, spec, verbose=True)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "warm-start:" in x]
+    assert [x.split()[2] for x in lines] == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+    assert all("loss " in x and "eta " in x for x in lines)
+    ensure_embedded_model(tmp_path, spec, verbose=True)  # cached: no second report
+    assert "warm-start:" not in capsys.readouterr().err

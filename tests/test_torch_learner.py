@@ -52,8 +52,9 @@ def _learner(model_dir, *overrides):
         ],
     )
     return TorchLearner(
-        model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, temperature=0.7, total_steps=10
-    )
+        model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, temperature=0.7, total_steps=10,
+        reference=cfg.reference,
+    )  # fmt: skip
 
 
 def test_logprobs_match_manual_per_sequence_forward(model_dir):

@@ -199,6 +199,62 @@ def test_init_names_an_engine_that_never_joins(server):
     asyncio.run(go())
 
 
+def test_non_finite_and_mistyped_tensors_are_refused_model_unchanged(server):
+    """NaN/inf would poison every later sample and a silent cast hides a sender bug: the bucket
+    is refused naming the tensor, the model and its version stay as they were."""
+    good = make_tiny_model(seed=21)
+    name, shape = "lm_head.weight", tuple(good.lm_head.weight.shape)
+
+    async def go():
+        async with EngineClient(server.url, timeout=30) as client:
+            sender = WeightSender(group_name="refuse", timeout_s=GROUP_TIMEOUT)
+            await sender.init_group([client], backend="gloo")
+            await sender.sync(good.named_parameters(), 8)
+            nan = torch.zeros(shape)
+            nan[0, 0] = float("nan")
+            inf = torch.full(shape, float("inf"))
+            bad = [
+                ([(name, nan)], None, "non-finite values .*lm_head.weight"),
+                ([(name, inf)], "flattened_bucket", "non-finite values .*lm_head.weight"),
+                ([(name, torch.zeros(shape, dtype=torch.int64))], None, "dtype mismatch for "
+                 "'lm_head.weight': sent int64, model has float32"),
+                ([(name, torch.zeros(shape, dtype=torch.float16))], "flattened_bucket",
+                 "dtype mismatch for 'lm_head.weight': sent float16"),
+            ]  # fmt: skip
+            for version, (named, fmt, problem) in enumerate(bad, start=9):
+                with pytest.raises(WeightSyncError, match=problem):
+                    await sender.sync(named, version, load_format=fmt, pause_mode=None)
+                assert await greedy_matches(client, good) == "8"  # model and version unchanged
+            await sender.close()
+
+    asyncio.run(go())
+
+
+def test_a_control_call_that_fails_says_what_happened(tmp_path):
+    """A stopped engine: the pause times out, and the error says so (it used to end in ': ').
+    Its own server: the timed-out pause still lands once the process runs again."""
+    make_tiny_model(tmp_path, seed=0)
+    handle = launch_hf_server(tmp_path, extra_args=["--num-threads", "1"])
+
+    async def go():
+        async with EngineClient(handle.url, timeout=30, control_timeout=30) as client:
+            sender = WeightSender(group_name="control", timeout_s=2.0)
+            await sender.init_group([client], backend="gloo", timeout_s=60)
+            os.kill(handle.proc.pid, signal.SIGSTOP)
+            with pytest.raises(WeightSyncError) as err:
+                await sender.sync(make_tiny_model().named_parameters(), 1, pause_mode="in_place")
+            handle.kill()
+            await sender.close()  # the engine is gone: only our side of the group is left
+            return str(err.value)
+
+    try:
+        message = asyncio.run(go())
+    finally:
+        handle.kill()
+    assert message == f"pause(in_place) failed on engine {handle.url}: no reply within 2s"
+
+
+@pytest.mark.timing
 def test_stalled_engine_during_sync_is_named_then_group_recovers(server):
     model = make_tiny_model(seed=9)
 
@@ -241,6 +297,7 @@ async def wait_mid_generation(client: EngineClient, task: asyncio.Task, tokens: 
         await asyncio.sleep(0.005)
 
 
+@pytest.mark.timing
 def test_in_place_update_mid_generation_stamps_each_token_with_its_version(server):
     """A weight update lands while a long request runs (pause in_place): tokens sampled before
     carry the old version, tokens after the new one, and the request finishes normally."""

@@ -6,14 +6,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
+import secrets
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+import zmq
 
-from asyncrl.transport.codec import EncodeError, decode_group
+from asyncrl.transport.auth import Credentials
+from asyncrl.transport.codec import EncodeError, decode_group, encode_group
 from asyncrl.transport.zmq import (
     PING,
     Receiver,
@@ -245,3 +248,70 @@ def test_closed_receiver_and_oversized_send() -> None:
         rx.get(timeout_s=1)
     with pytest.raises(OSError, match="cannot bind"):
         Receiver(ReceiverConfig(host="203.0.113.7"))  # not an address of this machine
+
+
+def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_authenticated_stream_costs_no_byte_and_refused_peers_are_never_read(curve, caplog):
+    """Good senders' groups all arrive and carry nothing extra; a peer without the secret is
+    refused at the handshake: not one of its messages is read (no bytes, no decode), each
+    refusal is counted, and the log is rate-limited and shows no secret."""
+    caplog.set_level(logging.WARNING, logger="asyncrl.transport.zmq")
+    secret = secrets.token_bytes(32)
+    config = ReceiverConfig(secret=secret, curve=curve)
+    with (
+        Receiver(config) as rx,
+        Sender(SenderConfig(port=rx.port, secret=secret, curve=curve)) as tx,
+    ):
+        for seq in range(3):
+            tx.send(make_group(0, seq))
+        assert [rx.get(timeout_s=10).metadata["seq"] for _ in range(3)] == [0, 1, 2]
+        attackers = _raw_attackers(curve)
+        for what, sock in attackers.items():  # one at a time: each must be refused itself
+            before = rx.stats().unauthenticated
+            sock.connect(rx.address)
+            for _ in range(5):  # queued on the attacker's side, pushed if it ever got in
+                _try_send(sock, [b"x"] * 20)
+                _try_send(sock, encode_group(make_group(9, 0)))
+            _wait_for(lambda n=before: rx.stats().unauthenticated > n, f"refusal of {what}")
+            sock.close(linger=0)
+        tx.send(make_group(0, 3))
+        assert rx.get(timeout_s=10).metadata["seq"] == 3
+        with pytest.raises(TransportTimeout):
+            rx.get(timeout_s=0.3)  # nothing of the attackers' was ever queued for reading
+        stats = rx.stats()
+    assert (stats.received, stats.rejected, stats.pings) == (4, 0, 1)
+    assert stats.bytes == tx.bytes_sent + len(PING)  # no MAC frame, no byte per message
+    assert stats.unauthenticated >= len(attackers)
+    assert stats.last_error.startswith("unauthenticated: ")
+    counts = [int(r.getMessage().split("#")[1].split()[0]) for r in caplog.records]
+    assert counts and all(n & (n - 1) == 0 for n in counts)  # the 1st, 2nd, 4th, ...
+    assert not any(secret.hex() in r.getMessage() or repr(secret) in r.getMessage()
+                   for r in caplog.records)  # fmt: skip
+
+
+def _try_send(sock: zmq.Socket, frames: list) -> None:
+    """Queue a message if the socket has a pipe for it (once refused, it has none: a bare
+    PUSH socket then blocks)."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        pass
+
+
+def _raw_attackers(curve: bool) -> dict[str, zmq.Socket]:
+    """Bare PUSH sockets, not connected yet, with no or made-up credentials (no IMMEDIATE:
+    they queue messages and would push them the moment a handshake let them in)."""
+    ctx = zmq.Context.instance()
+    made_up = Credentials.from_secret(secrets.token_bytes(32))
+    out = {"no credentials": ctx.socket(zmq.PUSH), "made-up credentials": ctx.socket(zmq.PUSH)}
+    made_up.secure_client(out["made-up credentials"], curve)
+    out["the other mechanism"] = ctx.socket(zmq.PUSH)
+    made_up.secure_client(out["the other mechanism"], not curve)
+    return out

@@ -10,6 +10,16 @@ Token-level estimators (REINFORCE++, GAE) take [B, T] token rewards and the resp
 Every registered estimator has the signature
 ``fn(token_level_rewards, response_mask, params, group_ids=None, values=None)
 -> (advantages [B, T], returns [B, T])``.
+
+Where each estimator runs in the loop (`ESTIMATOR_STAGES`):
+
+- ``rollout`` (grpo, drgrpo, rloo): within one group, so the rollout worker computes them and
+  the group travels with its advantages.
+- ``batch`` (reinforce_plus_plus, reinforce_plus_plus_baseline): they whiten over every valid
+  token of the trained batch, so only the learner can compute them, once per batch and before
+  mini-batching (`batch_outcome_advantages`).
+- ``critic`` (gae): needs the values of a critic, which asyncrl does not have yet; without
+  values the estimator raises rather than train on anything else.
 """
 
 from __future__ import annotations
@@ -134,7 +144,13 @@ def group_mean_baseline(scores: torch.Tensor, group_ids: GroupIds | None = None)
 
 
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] token rewards holding each sequence's score on its last valid token."""
+    """[B, T] token rewards holding each sequence's score on its last valid token, 0 elsewhere.
+
+    verl's placement (its reward managers write the score at ``valid_response_length - 1``):
+    on a single-turn row the last valid token is the last response token. On an episode the
+    mask is 0 on environment tokens, so the score sits on the last token the policy generated.
+    A row with no valid token gets no reward (it has nothing to train).
+    """
     mask = response_mask.to(torch.long)
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=-1).values
@@ -153,14 +169,23 @@ def broadcast_to_tokens(seq_values: torch.Tensor, response_mask: torch.Tensor) -
 def reinforce_pp_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted return-to-go (reset at masked tokens), whitened over the batch."""
+    """REINFORCE++: discounted return-to-go over the valid tokens, whitened over the batch.
+
+    ``G_t = r_t + gamma G_next`` where ``next`` is the next *valid* token of the row: a masked
+    token (an environment observation inside an episode) is not an action, so it takes no
+    discount step and its reward is ignored, and the return carries across it unchanged. On a
+    right-padded row this is verl's recursion exactly (its reset "after EOS" only ever meets
+    padding there); verl would cut the return at an observation token, leaving every earlier
+    turn of an episode without the outcome reward. ``returns`` is 0 outside the mask; the
+    advantages are the returns whitened over all valid tokens of the batch (mean 0, unbiased
+    variance 1 up to `masked_whiten`'s epsilon), 0 outside the mask."""
+    valid = response_mask > 0
     returns = torch.zeros_like(token_level_rewards)
     running = torch.zeros_like(token_level_rewards[:, 0])
-    mask = response_mask.to(token_level_rewards.dtype)
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]  # verl: reset after EOS
+        running = torch.where(valid[:, t], token_level_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    mask = valid.to(token_level_rewards.dtype)
     advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 
@@ -171,10 +196,20 @@ def reinforce_pp_baseline_advantages(
     response_mask: torch.Tensor,
     group_ids: GroupIds | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline: subtract the group mean score, then whiten over the batch."""
-    scores = group_mean_baseline(token_level_rewards.sum(dim=-1), _require(group_ids, "rf++b"))
-    mask = response_mask.to(token_level_rewards.dtype)
-    advantages = masked_whiten(broadcast_to_tokens(scores, mask), mask) * mask
+    """REINFORCE++-baseline: the sequence score (its valid token rewards summed) minus its
+    group's mean score, broadcast over the valid tokens and whitened over the batch.
+
+    As verl, a group of one keeps its raw score. Rows with no valid token (a failed episode)
+    carry no signal: they are left out of the group means and get advantage 0.
+    """
+    mask = (response_mask > 0).to(token_level_rewards.dtype)
+    scores = (token_level_rewards * mask).sum(dim=-1)
+    inverse = _group_inverse(_require(group_ids, "rf++b"), scores.shape[0], scores.device)
+    nonempty = mask.sum(dim=-1) > 0
+    centred = torch.zeros_like(scores)
+    if bool(nonempty.any()):
+        centred[nonempty] = group_mean_baseline(scores[nonempty], inverse[nonempty])
+    advantages = masked_whiten(broadcast_to_tokens(centred, mask), mask) * mask
     return advantages, advantages
 
 
@@ -262,6 +297,14 @@ ADV_ESTIMATORS: dict[str, AdvantageFn] = {
 }
 
 
+#: Where the loop computes each estimator (see the module docstring).
+ESTIMATOR_STAGES: dict[str, str] = {
+    **dict.fromkeys(("grpo", "drgrpo", "rloo"), "rollout"),
+    **dict.fromkeys(("reinforce_plus_plus", "reinforce_plus_plus_baseline"), "batch"),
+    "gae": "critic",
+}
+
+
 def get_adv_estimator(name: str) -> AdvantageFn:
     try:
         return ADV_ESTIMATORS[name]
@@ -282,6 +325,38 @@ def compute_advantages(
     """Dispatch on ``adv_estimator``; returns [B, T] (advantages, returns)."""
     fn = get_adv_estimator(adv_estimator)
     return fn(token_level_rewards, response_mask, params or AdvantageParams(), group_ids, values)
+
+
+def estimator_stage(adv_estimator: str) -> str:
+    """``rollout``, ``batch`` or ``critic``: where the loop computes `adv_estimator`."""
+    get_adv_estimator(adv_estimator)  # the one error for an unknown name
+    return ESTIMATOR_STAGES[adv_estimator]
+
+
+@torch.no_grad()
+def batch_outcome_advantages(
+    adv_estimator: str,
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    params: AdvantageParams | None = None,
+) -> torch.Tensor:
+    """[B, T] advantages of a trained batch from one outcome score per row.
+
+    The scores (a response's reward, an episode's return) become token rewards on each row's
+    last valid token (`outcome_token_rewards`), then go through `compute_advantages`, so any
+    whitening runs over the valid tokens of exactly this batch. Computed in float64; the
+    caller casts. A ``critic`` estimator raises here: it needs values, and none exist.
+    """
+    if estimator_stage(adv_estimator) == "critic":
+        raise ValueError(
+            f"advantage estimator {adv_estimator!r} needs a critic (value model), "
+            "which asyncrl does not have yet"
+        )
+    mask = (response_mask > 0).to(torch.float64)
+    rewards = outcome_token_rewards(scores.to(torch.float64), mask)
+    advantages, _ = compute_advantages(adv_estimator, rewards, mask, params, group_ids)
+    return advantages
 
 
 # ---------------------------------------------------------------- DAPO

@@ -21,7 +21,8 @@ Metrics (python floats, prefix `mismatch/`, finite for finite input; conventions
 masks in `mismatch_metrics`):
 - rollout_is_{mean,std,p25,p50,p75,p95,p99,max,min}: the bounded weights *before*
   truncate/clip/veto, over valid tokens (a sequence weight counts once per valid token), so
-  they show the mismatch the mode has to absorb.
+  they show the mismatch the mode has to absorb. `rollout_is_std` is the population standard
+  deviation of exactly those weights (verl's is of the weights clamped to [lower, upper]).
 - rollout_is_eff_sample_size: 1 / mean(w̃²), w̃ = w_c / mean(w_c), w_c = clamp(w, lower, upper);
   a fraction in (0, 1], 1 meaning uniform weights.
 - rollout_is_ratio_fraction_{high,low}: valid tokens whose true weight is above upper / below
@@ -31,7 +32,8 @@ masks in `mismatch_metrics`):
 - rollout_is_veto_fraction: non-empty sequences vetoed; rollout_is_catastrophic_token_fraction:
   valid tokens below the veto threshold (both 0.0 when the veto is off).
 - rollout_is_seq_{mean,std,max,min,max_deviation,fraction_high,fraction_low}: the per-sequence
-  mean weight over non-empty sequences, at every level.
+  mean weight over non-empty sequences, at every level; `rollout_is_seq_std` is their unbiased
+  standard deviation (n - 1, torch's `std` as verl calls it), 0 for fewer than two sequences.
 - mismatch_{kl,k3_kl,training_ppl,training_log_ppl,rollout_ppl,rollout_log_ppl,ppl_ratio,
   log_ppl_diff,log_ppl_abs_diff,log_ppl_diff_max,log_ppl_diff_min}: see `mismatch_metrics`.
 """
@@ -269,17 +271,31 @@ def apply_rollout_is(
     return (weights if settings.apply else None), metrics
 
 
-def normalize_weights_to_batch_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Rescale `weights` so their mean over valid tokens is 1; 0 under the mask.
+def normalize_weights_to_batch_mean(
+    weights: torch.Tensor, mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """Rescale `weights` to batch mean 1 (verl's `rollout_is_batch_normalize`); 0 under the mask.
 
-    If the valid weights sum to zero (everything clipped or vetoed) there is nothing to rescale:
-    the masked weights come back unchanged rather than divided by zero.
+    The mean is taken over the units the weights belong to (verl's rollout_corr_math.md:
+    w̃ = w / E[w] at each aggregation level): at `token` level over the valid tokens; at
+    `sequence` and `geometric` level over the sequences with at least one valid token, each
+    counted once with its weight (the mean of its valid tokens' weights, all equal unless
+    vetoed or clipped to 0), so a long sequence weighs no more than a short one.
+
+    If that mean is zero (everything clipped or vetoed) there is nothing to rescale: the masked
+    weights come back unchanged rather than divided by zero.
     """
     check_same_shape(weights=weights, mask=mask)
+    check_choice("rollout_is_level", level, IS_LEVELS)
     valid = mask.bool()
     kept = torch.where(valid, weights, torch.zeros_like(weights))
-    total = kept.sum()
-    count = valid.sum().to(kept.dtype)
+    if level == "token":
+        total, count = kept.sum(), valid.sum().to(kept.dtype)
+    else:
+        per_row = valid.sum(dim=-1).to(kept.dtype)
+        nonempty = per_row > 0
+        seq_w = kept.sum(dim=-1) / per_row.clamp(min=1)
+        total, count = seq_w[nonempty].sum(), nonempty.sum().to(kept.dtype)
     scale = torch.where(total > 0, count / torch.where(total > 0, total, 1.0), 1.0)
     return kept * scale
 

@@ -62,10 +62,15 @@ def masked_min(
     return -masked_max(-x, mask, -empty, any_valid)
 
 
-def masked_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Population standard deviation of the valid entries (0 for fewer than two)."""
+def masked_std(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
+    """Standard deviation of the valid entries (0 for fewer than two): population by default,
+    with `unbiased` the sample one (divided by n - 1, as `torch.std`)."""
     mean = masked_mean(x, mask)
-    return masked_mean((x - mean).square(), mask).sqrt()
+    var = masked_mean((x - mean).square(), mask)
+    if unbiased:
+        n = mask.sum().to(var.dtype)
+        var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), torch.zeros_like(var))
+    return var.sqrt()
 
 
 @dataclass(frozen=True)
@@ -203,7 +208,12 @@ def sample_quantiles(
 
 
 def weight_distribution(raw: Sample) -> dict[str, torch.Tensor]:
-    """Mean, std, percentiles, max and min of the weights over valid tokens."""
+    """Mean, std, percentiles, max and min of the weights over valid tokens.
+
+    `raw` is the safety-bounded weights before truncate/clip/veto, one per valid token (a
+    sequence weight counted once per valid token); `rollout_is_std` is their population
+    standard deviation, sqrt(mean((w - mean w)^2)) over those tokens.
+    """
     mean = raw.mean(raw.f64, empty=1.0)
     # in place on the fresh difference: one n-sized temporary instead of two
     stats = {"rollout_is_mean": mean, "rollout_is_std": raw.mean((raw.f64 - mean).square_()).sqrt()}
@@ -240,11 +250,12 @@ def sequence_stats(
     seq_w: torch.Tensor, tokens: ValidTokens, lower: float, upper: float
 ) -> dict[str, torch.Tensor]:
     """Statistics of the per-sequence mean weight `seq_w` (float64 [batch]) over non-empty
-    sequences. At sequence and geometric level it is the sequence's weight itself."""
+    sequences. At sequence and geometric level it is the sequence's weight itself. The std is
+    the unbiased one (verl: `seq_mean_weights.std()`), 0 for fewer than two sequences."""
     nonempty, any_valid = tokens.nonempty, tokens.n > 0
     return {
         "rollout_is_seq_mean": masked_mean(seq_w, nonempty, empty=1.0),
-        "rollout_is_seq_std": masked_std(seq_w, nonempty),
+        "rollout_is_seq_std": masked_std(seq_w, nonempty, unbiased=True),
         "rollout_is_seq_max": masked_max(seq_w, nonempty, 1.0, any_valid),
         "rollout_is_seq_min": masked_min(seq_w, nonempty, 1.0, any_valid),
         "rollout_is_seq_max_deviation": masked_max((seq_w - 1.0).abs(), nonempty, 0.0, any_valid),

@@ -1,7 +1,9 @@
 """YAML + dotted overrides → a validated `Config`.
 
 Everything is parsed, nothing evaluated: `device_mapping: list(range(0,16))` is matched by a
-regular expression. Every problem is one `ConfigError` line naming the key path.
+regular expression and its length checked before it is expanded. A key given twice in one
+mapping is an error (plain YAML keeps the last silently). Every problem is one `ConfigError`
+line naming the key path, or the file and line.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from asyncrl.config.schema import FIELD_ALIASES, Config, ConfigError
-from asyncrl.config.validate import validate
+from asyncrl.config.validate import MAX_DEVICES, validate
 
 # Keys that existed in verl/asyncrl once and were removed: path suffix -> migration hint.
 REMOVED_KEYS: dict[str, str] = {
@@ -27,30 +29,90 @@ REMOVED_KEYS: dict[str, str] = {
         "algorithm.rollout_is_mode: truncate"
     ),
 }
+# Numbers of at most 18 digits: int() of them is cheap, and they fit a 64-bit integer.
+_INT = r"-?\d{1,18}"
 _RANGE = re.compile(
-    r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$"
+    rf"^\s*list\(\s*range\(\s*({_INT})\s*(?:,\s*({_INT})\s*)?(?:,\s*({_INT})\s*)?\)\s*\)\s*$"
 )
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *base` merges; keys written next to it override the merged ones
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: the base constructor names it
+            continue
+        if first is not None:
+            raise ConfigError(f"line {line}: duplicate key {key!r} (first on line {first})")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text → Python objects (safe tags only; duplicate keys refused)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError:
+        raise
+    except ValueError as e:  # PyYAML's int(): Python refuses numbers of over 4300 digits
+        raise ConfigError(f"unreadable value: {str(e).split(';')[0]}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or start from the defaults), apply `a.b.c=value` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    raw: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
     for item in overrides or []:
         apply_override(raw, item)
     _reject_removed_keys(raw, "")
     cfg = build(Config, raw, "", Config())
     validate(cfg)
     return cfg
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{path}: line {line}: not UTF-8 text (byte 0x{data[e.start]:02x})"
+        ) from None
+    try:
+        raw = parse_yaml(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML{_where(e)}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _where(e: yaml.YAMLError) -> str:
+    """`: line 3, column 5: expected ...` from a marked YAML error (its first line otherwise)."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or not problem:
+        return f": {(str(e).splitlines() or [type(e).__name__])[0]}"
+    return f": line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _reject_removed_keys(node: Any, path: str) -> None:
@@ -67,11 +129,13 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     """`actor_train.training_args.learning_rate=1e-6` → nested dict assignment (YAML-typed)."""
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must look like key.path=value")
+        raise ConfigError(f"override {_short(item)} must look like key.path=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = parse_yaml(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
+    except ConfigError as e:
+        raise ConfigError(f"override {_short(item)}: {e}") from None
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -166,19 +230,32 @@ def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
 
 
 def parse_int_list(text: str, path: str) -> list[int]:
-    """`list(range(0,16))`, `range(0,16,2)`, `0,1,2` or `[0, 1]` — parsed, never evaluated."""
+    """`list(range(0,16))`, `range(0,16,2)`, `0,1,2` or `[0, 1]` — parsed, never evaluated; a
+    range is measured before it is expanded (at most `MAX_DEVICES` items)."""
     text = text.strip()
     m = _RANGE.match(text if text.startswith("list") else f"list({text})")
     if m:
         a, b, step = m.groups()
         start, stop = (0, int(a)) if b is None else (int(a), int(b))
-        return list(range(start, stop, int(step) if step else 1))
+        if step is not None and int(step) == 0:
+            raise ConfigError(f"{path}: {text!r} has a range step of 0")
+        devices = range(start, stop, int(step) if step else 1)  # lazy: len() costs nothing
+        if len(devices) > MAX_DEVICES:
+            raise ConfigError(
+                f"{path}: {text!r} names {len(devices)} devices, more than {MAX_DEVICES}"
+            )
+        return list(devices)
     parts = [p.strip() for p in text.strip("[]").split(",") if p.strip()]
-    if parts and all(re.fullmatch(r"-?\d+", p) for p in parts):
+    if parts and all(re.fullmatch(_INT, p) for p in parts):
         return [int(p) for p in parts]
     raise ConfigError(
         f"{path}: cannot parse {text!r} as a device list (use list(range(a,b)) or 0,1,2)"
     )
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """`text` quoted, cut to `limit` characters: an error line stays one readable line."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def _name(tp: Any) -> str:

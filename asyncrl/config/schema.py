@@ -29,13 +29,14 @@ class ModelArgs:
     disable_gradient_checkpointing: bool = False
     """Turn activation checkpointing off (training workers only)."""
     attn_implementation: str | None = None
-    """transformers attention kernel (eager, sdpa, flash_attention_2); null picks the default."""
+    """transformers attention kernel (eager, sdpa, flash_attention_2) of the fsdp2_train
+    learner; null picks the default. Refused for other workers and backends (not read there)."""
 
 
 @dataclass
 class TrainingArgs:
     learning_rate: float = 5.0e-5
-    """Peak learning rate. The default suits the embedded tiny model; billion-parameter models
+    """Peak learning rate (> 0). The default suits the embedded tiny model; billion-parameter models
     want about 1e-6 (every shipped recipe sets its own)."""
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay."""
@@ -73,11 +74,13 @@ class GeneratingArgs:
     max_new_tokens: int | None = None
     """Generated tokens per response; null uses the top-level `response_length`."""
     temperature: float = 1.0
-    """Sampling temperature; the learner divides its logits by the same value."""
+    """Sampling temperature: 0 is greedy, otherwise at least 1e-6 (SGLang samples greedily below
+    that, while the learner would divide its logits by the tiny value); the learner divides its
+    logits by the same value."""
     top_p: float = 1.0
-    """Nucleus sampling mass (not reflected in engine logprobs, as in SGLang)."""
+    """Nucleus sampling mass in (0, 1] (not reflected in engine logprobs, as in SGLang)."""
     top_k: int = -1
-    """Top-k sampling; -1 disables it."""
+    """Top-k sampling: -1 disables it, otherwise at least 1."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a response besides the tokenizer's EOS."""
 
@@ -85,7 +88,8 @@ class GeneratingArgs:
 @dataclass
 class StrategyArgs:
     strategy_name: str = "fsdp2_train"
-    """Backend: fsdp2_train | megatron_train (train), sglang | hf_infer (infer), megatron_infer."""
+    """Backend: fsdp2_train | megatron_train (train), sglang | hf_infer (infer); reference:
+    fsdp2_train | hf_infer | megatron_infer (all computed inside the learner's process)."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
     """Passed through to the backend (Megatron parallel sizes, SGLang server args, ...)."""
 
@@ -103,7 +107,8 @@ class WorkerConfig:
     strategy_args: StrategyArgs = field(default_factory=StrategyArgs)
     """Backend name and its pass-through config."""
     device_mapping: list[int] = field(default_factory=list)
-    """Device ids of this worker; `list(range(0,8))` is parsed, never evaluated. Empty: CPU."""
+    """Device ids of this worker; `list(range(0,8))` is parsed, never evaluated (at most 65536
+    ids, each in 0..65535). Empty: CPU."""
     infer_batch_size: int = 4
     """Batch size for inference and logprob computation."""
     num_gpus_per_worker: int = 1
@@ -181,11 +186,16 @@ class CheckpointConfig:
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
     """What a checkpoint holds: model, optimizer, extra (scheduler, RNG, data, queue), hf_model."""
     load_contents: list[str] | None = None
-    """What resuming loads; null loads whatever save_contents names."""
+    """What resuming loads; null: save_contents plus the run state (extra). A list without
+    `extra` resumes the learner only (step from the checkpoint; data position, queue and RNG
+    afresh): the way to resume a checkpoint saved without extra."""
     save_interval: int = 0
     """Save every N steps (and at the end); 0 saves only at the end."""
     resume: str = "never"
-    """never | auto (latest checkpoint in output_dir) | a checkpoint directory."""
+    """never | auto (the newest complete checkpoint in output_dir; incomplete ones are skipped
+    and named) | a checkpoint directory, which must exist when the config loads: a mistyped path
+    fails validation instead of surfacing after the model is built. Resuming rolls the run's
+    logs back to the checkpoint's step (what is cut goes to output_dir/.rolled-back-<time>/)."""
 
 
 @dataclass
@@ -217,7 +227,8 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     use_kl_loss: bool = False
-    """Add a KL(current || reference) loss (needs the reference worker)."""
+    """Add a KL(current || reference) loss; the reference is the `reference` section's model,
+    else the initial actor."""
     kl_loss_coef: float = 0.001
     """KL loss coefficient."""
     kl_loss_type: str = "low_var_kl"
@@ -263,7 +274,7 @@ class WeightSyncConfig:
     master_address: str = "127.0.0.1"
     """Address the update group rendezvouses on (the learner's host)."""
     master_port: int = 0
-    """Rendezvous port; 0 picks a free one."""
+    """Rendezvous port, 0..65535; 0 picks a free one."""
 
 
 @dataclass
@@ -271,7 +282,8 @@ class RolloutConfig:
     num_actors: int = 2
     """Rollout workers (each a Ray actor), each driving its share of engines."""
     reward_fn: str = "arithmetic_exact"
-    """Reward by registry name or `package.module:function`."""
+    """Reward by registry name or `package.module:function`; the path is imported when the config
+    loads, so a typo fails validation."""
     max_inflight_prompts: int = 8
     """Prompts one actor keeps in flight at once (bounded also by admission capacity)."""
     request_timeout_s: float = 300.0
@@ -279,7 +291,7 @@ class RolloutConfig:
     transport_host: str = "127.0.0.1"
     """Where the learner's ZMQ PULL socket binds (set an address for multi-node)."""
     transport_port: int = 0
-    """ZMQ port; 0 picks a free one."""
+    """ZMQ port, 0..65535; 0 picks a free one."""
 
 
 @dataclass
@@ -359,7 +371,11 @@ class Config:
     )
     """The rollout engines."""
     reference: WorkerConfig | None = None
-    """Reference policy for the KL loss; null: none (or the initial actor when use_kl_loss)."""
+    """Reference policy of the KL loss (needs actor.use_kl_loss), loaded inside the learner,
+    frozen: model_args.model_name_or_path (empty: the actor's own model), model_args.dtype (null:
+    the actor's), infer_batch_size (rows per logprob pass). Must share the actor's tokenizer
+    (equal vocab_size); with megatron_train also its architecture and dtype; device_mapping empty
+    or actor_train's. null: a frozen copy of the initial actor."""
     critic: WorkerConfig | None = None
     """Value model for GAE; null: none."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -1,8 +1,26 @@
-"""Cross-field checks that types alone cannot express. Each failure is one ConfigError line."""
+"""Checks that types alone cannot express. Each failure is one ConfigError line naming the key.
+
+Every number is finite and in its range (ports 0..65535, timeouts > 0, intervals >= 0, learning
+rates > 0), every name is one the run knows (strategies, losses, the reward function), and the
+sampling parameters follow SGLang's rules, so nothing a run would refuse late (or honour
+wrongly) gets past `asyncrl config validate`.
+"""
 
 from __future__ import annotations
 
-from asyncrl.config.schema import Config, ConfigError, WorkerConfig
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config.schema import (
+    FIELD_ALIASES,
+    Config,
+    ConfigError,
+    GeneratingArgs,
+    TrainingArgs,
+    WorkerConfig,
+)
 
 # Names accepted by the algorithm registries (asyncrl.algo); a test keeps these lists equal to
 # the registries so the config can be validated without importing torch.
@@ -29,8 +47,21 @@ RS_CRITERIA = tuple(
     + ["seq_max_k2", "seq_max_k3"]
 )
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-# Estimators an env run computes in the rollout worker (asyncrl.algo.episode keeps them equal).
+# Estimators an env run computes in the rollout worker (asyncrl.algo.episode keeps them equal);
+# the batch-level ones (the learner's) work on episode returns in trajectory mode.
 EPISODE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+EPISODE_BATCH_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+PORT_MAX = 65535
+# Most devices one worker section may list, and the bound of a device id: far above any real
+# cluster, low enough that a typo like list(range(0, 10**9)) fails before it allocates.
+MAX_DEVICES = 65536
+INT64 = 2**63
+# SGLang's rule (SamplingParams: `_SAMPLING_EPS = 1e-6`): a temperature in [0, 1e-6) samples
+# greedily. A positive temperature below it is refused rather than silently made greedy: the
+# learner divides its logits by the configured value, and by 1e-40 they overflow to inf.
+MIN_TEMPERATURE = 1e-6
+RESUME_MODES = ("never", "auto")
 
 # Strategy names per role; removed backends map to the error that names their replacement.
 STRATEGIES = {
@@ -47,20 +78,55 @@ REPLACED_STRATEGIES = {
 
 
 def validate(cfg: Config) -> None:
+    _check_numbers(cfg, "")
     _check_sizes(cfg)
+    _check_loop(cfg)
     for role in ("actor_train", "actor_infer", "reference", "critic"):
         worker = getattr(cfg, role)
         if worker is not None:
             _check_worker(role, worker)
+    if cfg.critic is not None:  # nothing reads it yet: accepting it would promise a value model
+        raise ConfigError("critic: the critic worker (value model) is not available yet")
     _check_algorithm(cfg)
     _check_actor(cfg)
+    _check_reference(cfg)
+    _check_unread(cfg)
     if cfg.env is not None:
         _check_env(cfg)
+    _check_reward(cfg.rollout.reward_fn)
+
+
+def _check_numbers(node: Any, path: str) -> None:
+    """Every float finite (YAML reads `.inf` and `.nan`), every int a 64-bit integer. The
+    pass-through mappings (`strategy_config`, `env.config`) are their backend's to check."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            key = FIELD_ALIASES.get(f.name, f.name)
+            _check_numbers(getattr(node, f.name), f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_numbers(value, f"{path}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{path} must be a finite number, got {node}")
+    elif isinstance(node, int) and not isinstance(node, bool) and not -INT64 <= node < INT64:
+        raise ConfigError(f"{path}: {node} is out of range (a 64-bit integer)")
 
 
 def _positive(path: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{path} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _within(path: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{path} must be in [{low:g}, {high:g}], got {value}")
+
+
+def _port(path: str, value: int) -> None:
+    if not 0 <= value <= PORT_MAX:
+        raise ConfigError(
+            f"{path} must be a TCP port 0..{PORT_MAX} (0 picks a free one), got {value}"
+        )
 
 
 def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -78,13 +144,55 @@ def _check_sizes(cfg: Config) -> None:
     _positive("rollout.num_actors", cfg.rollout.num_actors)
     _positive("rollout.max_inflight_prompts", cfg.rollout.max_inflight_prompts)
     _positive("weight_sync.bucket_size_mb", cfg.weight_sync.bucket_size_mb)
-    _positive("weight_sync.timeout_s", cfg.weight_sync.timeout_s)
     max_new = cfg.actor_infer.generating_args.max_new_tokens
     if max_new is not None and max_new > cfg.response_length:
         raise ConfigError(
             f"actor_infer.generating_args.max_new_tokens ({max_new}) exceeds response_length "
             f"({cfg.response_length})"
         )
+
+
+def _check_loop(cfg: Config) -> None:
+    """Seeds, ports, timeouts, intervals, output and resume: the run's plumbing."""
+    _positive("seed", cfg.seed, allow_zero=True)
+    if not cfg.output_dir.strip():
+        raise ConfigError("output_dir must name a directory, got an empty string")
+    ro, ws = cfg.rollout, cfg.weight_sync
+    _port("rollout.transport_port", ro.transport_port)
+    _port("weight_sync.master_port", ws.master_port)
+    for path, host in (("rollout.transport_host", ro.transport_host),
+                       ("weight_sync.master_address", ws.master_address)):  # fmt: skip
+        if not host.strip():
+            raise ConfigError(f"{path} must name an address, got an empty string")
+    _positive("rollout.request_timeout_s", ro.request_timeout_s)
+    _positive("weight_sync.timeout_s", ws.timeout_s)
+    _positive("logging.eval_interval", cfg.logging.eval_interval, allow_zero=True)
+    _positive("logging.eval_size", cfg.logging.eval_size, allow_zero=True)
+    _positive("actor.checkpoint.save_interval", cfg.actor.checkpoint.save_interval, allow_zero=True)
+    _check_resume(cfg.actor.checkpoint.resume)
+
+
+def _check_resume(resume: str) -> None:
+    """never | auto | a checkpoint directory that exists now: a mistyped path would otherwise be
+    found out only after the model is built (whether it holds a complete checkpoint is the
+    checkpointer's to judge, when the run opens it)."""
+    if resume in RESUME_MODES or Path(resume).is_dir():
+        return
+    raise ConfigError(
+        f"actor.checkpoint.resume: {resume!r} is neither never, auto nor an existing "
+        "checkpoint directory"
+    )
+
+
+def _check_reward(name: str) -> None:
+    """A registered name, or a 'module:function' path that imports (the run would import it)."""
+    from asyncrl.rewards.base import RewardError
+    from asyncrl.rewards.registry import check_reward
+
+    try:
+        check_reward(name)
+    except RewardError as e:
+        raise ConfigError(f"rollout.reward_fn: {e}") from None
 
 
 def _check_worker(role: str, worker: WorkerConfig) -> None:
@@ -101,28 +209,54 @@ def _check_worker(role: str, worker: WorkerConfig) -> None:
         )
     _positive(f"{role}.infer_batch_size", worker.infer_batch_size)
     _positive(f"{role}.num_gpus_per_worker", worker.num_gpus_per_worker)
-    targs = worker.training_args
-    _positive(
-        f"{role}.training_args.per_device_train_batch_size", targs.per_device_train_batch_size
-    )
+    _check_training(f"{role}.training_args", worker.training_args)
+    _check_sampling(f"{role}.generating_args", worker.generating_args)
+    _check_devices(f"{role}.device_mapping", worker.device_mapping)
+
+
+def _check_training(path: str, targs: TrainingArgs) -> None:
+    _positive(f"{path}.per_device_train_batch_size", targs.per_device_train_batch_size)
     if targs.gradient_accumulation_steps is not None:
-        _positive(
-            f"{role}.training_args.gradient_accumulation_steps", targs.gradient_accumulation_steps
+        _positive(f"{path}.gradient_accumulation_steps", targs.gradient_accumulation_steps)
+    _positive(f"{path}.learning_rate", targs.learning_rate)
+    _positive(f"{path}.weight_decay", targs.weight_decay, allow_zero=True)
+    _positive(f"{path}.warmup_steps", targs.warmup_steps, allow_zero=True)
+    _positive(f"{path}.max_grad_norm", targs.max_grad_norm, allow_zero=True)
+
+
+def _check_sampling(path: str, gen: GeneratingArgs) -> None:
+    """SGLang's rules (`SamplingParams.verify`), with its greedy threshold made an error."""
+    if gen.temperature != 0 and not gen.temperature >= MIN_TEMPERATURE:
+        raise ConfigError(
+            f"{path}.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, "
+            f"got {gen.temperature:g}"
         )
-    _positive(f"{role}.training_args.learning_rate", targs.learning_rate, allow_zero=True)
-    gen = worker.generating_args
-    _positive(f"{role}.generating_args.temperature", gen.temperature, allow_zero=True)
     if not 0 < gen.top_p <= 1:
-        raise ConfigError(f"{role}.generating_args.top_p must be in (0, 1], got {gen.top_p}")
-    if len(set(worker.device_mapping)) != len(worker.device_mapping):
-        raise ConfigError(f"{role}.device_mapping lists a device twice: {worker.device_mapping}")
+        raise ConfigError(f"{path}.top_p must be in (0, 1], got {gen.top_p}")
+    if gen.top_k != -1 and gen.top_k < 1:
+        raise ConfigError(f"{path}.top_k must be -1 (off) or >= 1, got {gen.top_k}")
+    if gen.max_new_tokens is not None:
+        _positive(f"{path}.max_new_tokens", gen.max_new_tokens)
+    for i, token in enumerate(gen.stop_token_ids):
+        _positive(f"{path}.stop_token_ids[{i}]", token, allow_zero=True)
+
+
+def _check_devices(path: str, devices: list[int]) -> None:
+    # The loader bounds list(range(...)) before expanding it; a literal list is bounded here.
+    if len(devices) > MAX_DEVICES:
+        raise ConfigError(f"{path} lists {len(devices)} devices, more than {MAX_DEVICES}")
+    bad = next((d for d in devices if not 0 <= d < MAX_DEVICES), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: device id {bad} is not in 0..{MAX_DEVICES - 1}")
+    if len(set(devices)) != len(devices):
+        raise ConfigError(f"{path} lists a device twice: {devices}")
 
 
 def _check_algorithm(cfg: Config) -> None:
     alg = cfg.algorithm
     _one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
-    if alg.adv_estimator == "gae" and cfg.critic is None:
-        raise ConfigError("algorithm.adv_estimator: gae needs a critic section")
+    if alg.adv_estimator == "gae":  # the value model (critic worker) is not built yet
+        raise ConfigError("algorithm.adv_estimator: gae needs a critic section: not available yet")
     upper, lower = alg.rollout_is_threshold, alg.rollout_is_threshold_lower
     if upper is not None:
         _positive("algorithm.rollout_is_threshold", upper)
@@ -138,6 +272,9 @@ def _check_algorithm(cfg: Config) -> None:
         _one_of(f"algorithm.rollout_rs[{i}].name", crit.name, RS_CRITERIA)
         if crit.lower is None and crit.upper is None:
             raise ConfigError(f"algorithm.rollout_rs[{i}] ({crit.name}) needs lower or upper")
+    _within("algorithm.gamma", alg.gamma, 0, 1)
+    _within("algorithm.lam", alg.lam, 0, 1)
+    _positive("algorithm.overlong_penalty_factor", alg.overlong_penalty_factor, allow_zero=True)
     _positive("algorithm.overlong_buffer_len", alg.overlong_buffer_len, allow_zero=True)
     if alg.overlong_buffer_len >= cfg.response_length:
         raise ConfigError(
@@ -160,6 +297,8 @@ def _check_actor(cfg: Config) -> None:
     _positive("actor.ppo_epochs", actor.ppo_epochs)
     if actor.ppo_mini_batch_size is not None:
         _positive("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
+    _positive("actor.kl_loss_coef", actor.kl_loss_coef, allow_zero=True)
+    _check_optim(cfg)
     ckpt = actor.checkpoint
     for key in ("save_contents", "load_contents"):
         for item in getattr(ckpt, key) or []:
@@ -169,6 +308,14 @@ def _check_actor(cfg: Config) -> None:
             "actor.policy_loss.loss_mode: decoupled needs algorithm.correction_mode: decoupled "
             "(bypass has no proximal policy)"
         )
+
+
+def _check_optim(cfg: Config) -> None:
+    optim = cfg.actor.optim
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        raise ConfigError(f"actor.optim.betas must be two values in [0, 1), got {optim.betas}")
+    _positive("actor.optim.eps", optim.eps)
+    _within("actor.optim.min_lr_ratio", optim.min_lr_ratio, 0, 1)
 
 
 def _check_env(cfg: Config) -> None:
@@ -186,10 +333,66 @@ def _check_env(cfg: Config) -> None:
     _positive("env.max_turns", env.max_turns)
     _positive("env.step_timeout_s", env.step_timeout_s)
     _positive("env.num_seeds", env.num_seeds)
+    _positive("env.seed_offset", env.seed_offset, allow_zero=True)
     if env.max_tokens_per_turn is not None:
         _positive("env.max_tokens_per_turn", env.max_tokens_per_turn)
     if not 0 <= env.gamma <= 1:
         raise ConfigError(f"env.gamma must be in [0, 1], got {env.gamma}")
-    _one_of("algorithm.adv_estimator (with env)", cfg.algorithm.adv_estimator, EPISODE_ESTIMATORS)
+    allowed = EPISODE_ESTIMATORS
+    if env.advantage_mode == "trajectory":
+        allowed += EPISODE_BATCH_ESTIMATORS
+    _one_of(
+        f"algorithm.adv_estimator (with env, {env.advantage_mode})",
+        cfg.algorithm.adv_estimator,
+        allowed,
+    )
     if cfg.algorithm.overlong_buffer_len:
         raise ConfigError("algorithm.overlong_buffer_len is not supported with env (set it to 0)")
+
+
+def _check_reference(cfg: Config) -> None:
+    """What the learners also refuse (asyncrl/learner/reference.py), said by `config validate`;
+    vocabulary and architecture need the model files and are checked when the learner is built."""
+    ref = cfg.reference
+    if ref is None:
+        return
+    if not cfg.actor.use_kl_loss:
+        raise ConfigError(
+            "reference: set, but actor.use_kl_loss is false (only the KL loss reads the "
+            "reference policy)"
+        )
+    mapping, train = list(ref.device_mapping), list(cfg.actor_train.device_mapping)
+    if mapping and mapping != train:
+        raise ConfigError(
+            f"reference.device_mapping {mapping} differs from actor_train.device_mapping "
+            f"{train}: the reference runs inside the learner, on actor_train's devices"
+        )
+    if cfg.actor_train.strategy_args.strategy_name == "megatron_train":
+        dtype = cfg.actor_train.model_args.dtype or "bf16"
+        if ref.model_args.dtype not in (None, dtype):
+            raise ConfigError(
+                f"reference.model_args.dtype {ref.model_args.dtype} with megatron_train: the "
+                f"reference is built in actor_train's dtype ({dtype}); leave it null or set {dtype}"
+            )
+
+
+def _check_unread(cfg: Config) -> None:
+    """Values no backend honours yet: refused, never silently ignored."""
+    if cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full":
+        raise ConfigError(
+            "actor.kl_loss_type: full needs both policies' full-vocabulary logits, which the "
+            "learners do not keep; use low_var_kl (k3), kl (k1), abs or mse (k2)"
+        )
+    train = cfg.actor_train
+    if train.model_args.attn_implementation and train.strategy_args.strategy_name != "fsdp2_train":
+        raise ConfigError(
+            "actor_train.model_args.attn_implementation: only the fsdp2_train learner reads it "
+            "(Megatron picks its kernels through strategy_config)"
+        )
+    for role in ("actor_infer", "reference", "critic"):
+        worker = getattr(cfg, role)
+        if worker is not None and worker.model_args.attn_implementation:
+            raise ConfigError(
+                f"{role}.model_args.attn_implementation: not read for {role} (the hf engine uses "
+                "its own batched attention; SGLang takes attention_backend in strategy_config)"
+            )

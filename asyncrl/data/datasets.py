@@ -8,8 +8,11 @@ the skipping of overlong prompts live in `asyncrl.data.prompts.PromptSource`.
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +41,27 @@ class PromptRecord:
 # ---- reading files ----------------------------------------------------------------------------
 
 
+def _not_utf8(path: Path, line: int, data: bytes, at: int) -> DatasetError:
+    return DatasetError(f"{path}: line {line}: not UTF-8 text (byte 0x{data[at]:02x})")
+
+
+def _read_text(path: Path) -> str:
+    """The whole file as UTF-8 text (a leading byte-order mark dropped); a bad byte is one line
+    naming its line number."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read ({exc.strerror})") from None
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, data.count(b"\n", 0, exc.start) + 1, data, exc.start) from None
+
+
 def _read_json(path: Path) -> list[tuple[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}: invalid JSON ({exc})") from None
     if not isinstance(data, list):
@@ -51,9 +72,20 @@ def _read_json(path: Path) -> list[tuple[str, Any]]:
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
+    """Line by line, in bytes: a file larger than memory twice over still loads, and a bad byte
+    or bad JSON names its line."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read ({exc.strerror})") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            raw = raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, lineno, raw, exc.start) from None
             if not line.strip():
                 continue
             try:
@@ -64,8 +96,12 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
 
 
 def _read_csv(path: Path) -> list[tuple[str, Any]]:
-    with path.open(encoding="utf-8", newline="") as f:
-        return [(f"row {i + 1}", dict(obj)) for i, obj in enumerate(csv.DictReader(f))]
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    try:
+        return [(f"row {i + 1}", dict(obj)) for i, obj in enumerate(reader)]
+    except csv.Error as exc:  # a NUL byte, an unterminated quote, an oversized field
+        line = reader.reader.line_num  # the DictReader's own count lags by the failed row
+        raise DatasetError(f"{path}: line {line}: invalid CSV ({exc})") from None
 
 
 def _read_parquet(path: Path) -> list[tuple[str, Any]]:
@@ -81,17 +117,24 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
 _READERS = {"json": _read_json, "jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet}
 
 
-def read_rows(path: str | Path) -> list[tuple[str, Any]]:
-    """Raw rows of one file as ``(where, object)`` pairs; the format follows the extension."""
+def check_file(path: str | Path) -> Path:
+    """`path` is a readable file of a supported format (its rows are read later)."""
     path = Path(path)
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
+    if path.suffix.lower() not in FORMATS:
         raise DatasetError(
             f"{path}: unsupported extension {path.suffix!r}; supported: {', '.join(sorted(FORMATS))}"
         )
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
-    return _READERS[fmt](path)
+    if not os.access(path, os.R_OK):
+        raise DatasetError(f"{path}: not readable (permission denied)")
+    return path
+
+
+def read_rows(path: str | Path) -> list[tuple[str, Any]]:
+    """Raw rows of one file as ``(where, object)`` pairs; the format follows the extension."""
+    path = check_file(path)
+    return _READERS[FORMATS[path.suffix.lower()]](path)
 
 
 # ---- validating rows --------------------------------------------------------------------------

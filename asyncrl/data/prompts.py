@@ -27,7 +27,9 @@ EMBEDDED_TRAIN_ROWS = 8000
 @dataclass
 class PromptItem:
     """One prompt handed to a rollout worker; `key` is unique over the run and becomes the group
-    id. Env runs carry `metadata["env_seed"]` and no ids (the episode builder templates them)."""
+    id. `metadata` is the prompt row's other fields, as the reward function sees them (the
+    group carries them under `metadata["data"]`). Env runs carry `metadata["env_seed"]` and no
+    ids (the episode builder templates them)."""
 
     key: str
     prompt_ids: list[int]
@@ -76,6 +78,9 @@ class PromptSource:
         self.data_args = cfg.actor_train.data_args
         self.prompt_length = cfg.prompt_length
         self.seed = cfg.seed
+        # Whether rows are env seeds is the run's mode, never a column's name: a dataset with
+        # an `env_seed` column is still a dataset of prompts.
+        self.env_run = cfg.env is not None
         self.train_records, self.heldout_records = load_prompt_records(cfg)
         if not self.train_records:
             raise DatasetError("the training prompt set is empty")
@@ -93,7 +98,7 @@ class PromptSource:
     def _item(self, key: str, record: PromptRecord) -> PromptItem | None:
         """The record as an item; None when its prompt is empty or over `prompt_length`."""
         meta = dict(record.metadata)
-        if "env_seed" in meta:  # the episode builder resets the env and templates the prompt
+        if self.env_run:  # the episode builder resets the env and templates the prompt
             return PromptItem(key=key, prompt_ids=[], metadata=meta)
         text, ids = datasets.encode(record, self.tokenizer, self.data_args.template)
         if not ids or len(ids) > self.prompt_length:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from asyncrl.data.datasets import DatasetError
+
 Split = Literal["train", "heldout"]
 _OPS = ("+", "-", "*")
 
@@ -85,17 +87,19 @@ def make_rows(
 ) -> list[dict[str, str]]:
     """``n`` rows of ``split``, deterministic in ``(task, split, n, seed)``.
 
-    With ``unique`` no problem repeats; a request larger than the split can supply is an error
-    (the expected split size is ``space_size() * fraction``).
+    With ``unique`` no problem repeats; a request larger than the split can supply is a
+    `DatasetError` (the expected split size is ``space_size() * fraction``): a run asking for
+    more held-out prompts (`logging.eval_size`) than the task has gets one line, not a trace.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     rng = random.Random(f"{seed}:{split}")
     fraction = task.heldout_fraction if split == "heldout" else 1.0 - task.heldout_fraction
     if unique and n > 0.9 * task.space_size() * fraction:
-        raise ValueError(
-            f"asked for {n} unique {split} problems but the task has only about "
-            f"{int(task.space_size() * fraction)}; raise digits or lower n"
+        raise DatasetError(
+            f"asked for {n} unique {split} problems but the arithmetic task has only about "
+            f"{int(task.space_size() * fraction)}; raise digits or lower n (logging.eval_size "
+            "for the held-out split)"
         )
     rows: list[dict[str, str]] = []
     seen: set[str] = set()
@@ -103,7 +107,9 @@ def make_rows(
     while len(rows) < n:
         budget -= 1
         if budget < 0:
-            raise ValueError(f"could not draw {n} unique {split} problems; raise digits or lower n")
+            raise DatasetError(
+                f"could not draw {n} unique {split} problems; raise digits or lower n"
+            )
         a, op, b = _sample_problem(rng, task)
         prompt = f"{a}{op}{b}="
         if split_of(prompt, task) != split or (unique and prompt in seen):

@@ -151,7 +151,10 @@ def _is_int(x: object) -> bool:
 
 
 class EngineClient:
-    """One engine server. `timeout` (s) bounds generate calls, `control_timeout` the rest."""
+    """One engine server. `timeout` (s) bounds generate calls, `control_timeout` the rest.
+
+    `api_key`: the engine's shared secret (SGLang's `--api-key`), sent on every call as
+    `Authorization: Bearer <api_key>`; None sends no header (an engine without a key)."""
 
     def __init__(
         self,
@@ -160,11 +163,13 @@ class EngineClient:
         timeout: float = 600.0,
         control_timeout: float = 60.0,
         max_connections: int = 256,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.control_timeout = control_timeout
         self._max_connections = max_connections
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -186,7 +191,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             connector = aiohttp.TCPConnector(limit=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
             self._loop = loop
         return self._session
 
@@ -261,10 +266,11 @@ class EngineClient:
             raise EngineError(self.url, f"/flush_cache answered HTTP {status}: {_one_line(data)}")
         return status == 200
 
-    async def health(self) -> bool:
-        """True iff /health_generate answers 200 in time (never raises for a down engine)."""
+    async def health(self, timeout_s: float | None = None) -> bool:
+        """True iff /health_generate answers 200 within `timeout_s` (default: the control
+        timeout); never raises for a down, hung or unhealthy engine."""
         try:
-            status, _ = await self._call("GET", "/health_generate")
+            status, _ = await self._call("GET", "/health_generate", timeout_s=timeout_s)
         except EngineError:
             return False
         return status == 200

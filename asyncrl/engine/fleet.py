@@ -2,14 +2,23 @@
 
 `hf_infer` engines are asyncrl's own server processes (one per engine, loopback); `sglang`
 engines are SGLang servers (a router in front of several). Either way the fleet is driven
-through the same SGLang-protocol client. An engine whose process dies is relaunched, the update
-group is formed again with every engine, and the current weights are pushed before it serves
-again.
+through the same SGLang-protocol client. An engine that cannot generate is relaunched -- its
+process died, or it is alive but failed `health_failures` health checks (/health_generate) in a
+row: a dead scheduler, a hung process -- then the update group is formed again with every
+engine, and the current weights are pushed before it serves again. The health checks run in
+the background on the control loop, so `heal` never waits on an engine that is fine.
+
+With `api_key`, every engine requires it (`Authorization: Bearer`, as SGLang's `--api-key`);
+the fleet's clients send it, and so must the rollout workers' (`EngineFleet.api_key`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +37,8 @@ class EngineLauncher(Protocol):
     tp_size: int
     device: DeviceSpec
     """Where the engines receive weights (decides the update group's backend)."""
+    api_key: str | None
+    """The key every engine requires (None: no authentication)."""
 
     def launch(self, index: int, port: int | None = None) -> ServerHandle:
         """Start (or attach to) engine `index`; a handle with `.url`, `.proc` and `.stop()`."""
@@ -39,23 +50,73 @@ class EngineLauncher(Protocol):
         """Stop what the launcher started besides the engines (the router)."""
 
 
-def make_launcher(infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int) -> EngineLauncher:
+def make_launcher(
+    infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int, api_key: str | None = None
+) -> EngineLauncher:
     """The launcher for `infer.strategy_args.strategy_name` (hf_infer | sglang)."""
     name = infer.strategy_args.strategy_name
     if name == "hf_infer":
         from asyncrl.engine.hf.launch import HFLauncher
 
-        return HFLauncher(infer, model_dir, log_dir, seed)
+        return HFLauncher(infer, model_dir, log_dir, seed, api_key)
     if name == "sglang":
         from asyncrl.device import detect_device
         from asyncrl.engine.sglang import SGLangLauncher
 
-        return SGLangLauncher(infer, model_dir, log_dir, seed, detect_device())
+        return SGLangLauncher(infer, model_dir, log_dir, seed, detect_device(), api_key)
     raise ValueError(f"actor_infer.strategy_args.strategy_name {name!r}: expected hf_infer|sglang")
 
 
+class HealthMonitor:
+    """Background /health_generate checks of every engine asyncrl started, one round at a time
+    on the control loop. `poll` never blocks: it takes the answers of the last round, starts
+    the next one when due, and names the engines that failed `failures` rounds in a row."""
+
+    def __init__(
+        self, runner: AsyncRunner, interval_s: float, timeout_s: float, failures: int
+    ) -> None:
+        self.runner, self.interval_s, self.timeout_s = runner, interval_s, timeout_s
+        self.failures = failures
+        self.fails: dict[int, int] = {}  # engine index -> failed rounds in a row
+        self._round: concurrent.futures.Future | None = None
+        self._due = 0.0
+
+    def poll(self, handles: Sequence[ServerHandle], clients: Sequence[EngineClient]) -> list[int]:
+        done = self._round
+        if done is not None and done.done():
+            self._round = None
+            results = [] if done.cancelled() or done.exception() else done.result()
+            for i, handle, ok in results:
+                if i < len(handles) and handles[i] is handle:  # not relaunched meanwhile
+                    self.fails[i] = 0 if ok else self.fails.get(i, 0) + 1
+        now = time.monotonic()
+        if self._round is None and now >= self._due:
+            self._due = now + self.interval_s
+            owned = [(i, h, c) for i, (h, c) in enumerate(zip(handles, clients)) if h.owned]
+            self._round = asyncio.run_coroutine_threadsafe(self._check(owned), self.runner.loop)
+        return sorted(i for i, n in self.fails.items() if n >= self.failures)
+
+    async def _check(self, engines: list) -> list[tuple[int, ServerHandle, bool]]:
+        oks = await asyncio.gather(*(c.health(self.timeout_s) for _, _, c in engines))
+        return [(i, h, ok) for (i, h, _), ok in zip(engines, oks)]
+
+    def forget(self, index: int) -> None:
+        """Engine `index` was relaunched: its record starts afresh."""
+        self.fails.pop(index, None)
+
+    def close(self) -> None:
+        if self._round is not None:
+            self._round.cancel()
+
+
 class EngineFleet:
-    """The engines of `actor_infer`, their clients, and the weight sender that feeds them."""
+    """The engines of `actor_infer`, their clients, and the weight sender that feeds them.
+
+    `api_key`: the shared secret every engine requires and every client sends (None: none).
+    `health_interval_s`, `health_timeout_s`, `health_failures`: an engine whose process lives
+    is relaunched after `health_failures` background health checks in a row failed (no 200
+    from /health_generate within `health_timeout_s`); a check round starts at most every
+    `health_interval_s`."""
 
     def __init__(
         self,
@@ -68,15 +129,21 @@ class EngineFleet:
         seed: int,
         request_timeout_s: float,
         runner: AsyncRunner,
+        api_key: str | None = None,
+        health_interval_s: float = 10.0,
+        health_timeout_s: float = 30.0,
+        health_failures: int = 2,
     ) -> None:
         self.infer, self.ws, self.pause_mode = infer, weight_sync, pause_mode
         self.request_timeout_s, self.runner = request_timeout_s, runner
+        self.health = HealthMonitor(runner, health_interval_s, health_timeout_s, health_failures)
         self.handles: list[ServerHandle] = []
         self.clients: list[EngineClient] = []
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
         self.backend = "gloo"  # of the weight-update group; resolved by `_init_group`
-        self.launcher = make_launcher(infer, model_dir, output_dir / "engine_logs", seed)
+        self.launcher = make_launcher(infer, model_dir, output_dir / "engine_logs", seed, api_key)
+        self.api_key = self.launcher.api_key  # what rollout workers' clients must send
         self.num_engines = self.launcher.num_engines
         self.sender = WeightSender(timeout_s=weight_sync.timeout_s)
 
@@ -90,7 +157,7 @@ class EngineFleet:
 
     def _client(self, url: str) -> EngineClient:
         async def make() -> EngineClient:  # aiohttp sessions belong to the control loop
-            return EngineClient(url, timeout=self.request_timeout_s)
+            return EngineClient(url, timeout=self.request_timeout_s, api_key=self.api_key)
 
         return self.runner.run(make())
 
@@ -112,22 +179,29 @@ class EngineFleet:
         return urls[shift:] + urls[:shift]
 
     def heal(self, source: WeightSource) -> bool:
-        """Relaunch dead engine processes and bring them to `source`'s weights; True if any
-        engine was relaunched."""
+        """Relaunch every engine that cannot generate (its process died, or its background
+        health checks failed) and bring the fleet to `source`'s weights; True if any engine was
+        relaunched. Cheap when all is well: a process poll and the last check round's answers."""
         dead = [i for i, h in enumerate(self.handles) if h.proc.poll() is not None]
-        if not dead:
+        sick = [i for i in self.health.poll(self.handles, self.clients) if i not in dead]
+        if not dead and not sick:
             return False
-        for i in dead:
+        for i in sorted(dead + sick):
+            old = self.handles[i]
+            old.kill()  # an engine that cannot generate has nothing worth a graceful stop
             # Same port, so workers keep their URLs; their failed prompts are re-issued.
-            port = int(self.handles[i].url.rsplit(":", 1)[1])
+            port = int(old.url.rsplit(":", 1)[1])
             self.handles[i] = self.launcher.launch(i, port)
+            self.health.forget(i)
             self.counters["engine_restarts"] += 1
-            print(f"asyncrl: engine {i} died; relaunched at {self.handles[i].url}")
+            why = "died" if i in dead else "failed its health checks (cannot generate)"
+            print(f"asyncrl: engine {i} {why}; relaunched at {self.handles[i].url}")
         self._init_group()
         self.sync(source)
         return True
 
     def stop(self) -> None:
+        self.health.close()
         try:
             self.runner.run(self.sender.close(), timeout=30)
         except Exception:  # noqa: BLE001 - engines may be gone already

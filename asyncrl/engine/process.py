@@ -1,14 +1,65 @@
-"""A launched engine server process (ours or SGLang's): its handle and its launch error."""
+"""A launched engine server process (ours or SGLang's): how it starts, its handle, its error.
+
+Engine processes never outlive the driver that started them, however it ends:
+- each starts in its own process group, so `stop()`/`kill()` reach whatever it started too
+  (SGLang's scheduler processes, a fake server's ranks);
+- on Linux each asks the kernel for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), which
+  also covers a driver killed with SIGKILL, where no cleanup code runs. The kernel ties this to
+  the *thread* that started the process: launch from a thread that lives as long as the engine
+  (the run launches and heals from its main thread).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
+import signal
 import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+API_KEY_ENV = "ASYNCRL_API_KEY"
+"""The environment variable that hands asyncrl's hf server its API key (never its argv)."""
 
 
 class EngineLaunchError(RuntimeError):
     """An engine server process died or never became healthy."""
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGKILL when this process dies (Linux); None
+    elsewhere. Everything is looked up here, before the fork: the hook itself only calls."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl
+    parent = os.getpid()
+    kill, getppid, me = os.kill, os.getppid, os.getpid
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if getppid() != parent:  # the parent died before the request took effect
+            kill(me(), signal.SIGKILL)
+
+    return hook
+
+
+def popen(cmd: Sequence[str], env: Mapping[str, str], log: IO[bytes]) -> subprocess.Popen:
+    """Start an engine server: output to `log`, its own process group, dies with us."""
+    return subprocess.Popen(
+        list(cmd),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=dict(env),
+        process_group=0,
+        preexec_fn=_die_with_parent_hook(),
+    )
 
 
 @dataclass
@@ -19,6 +70,11 @@ class ServerHandle:
     url: str
     log_path: Path
 
+    @property
+    def owned(self) -> bool:
+        """Started by asyncrl (so it may be stopped and relaunched), not attached to."""
+        return isinstance(self.proc, subprocess.Popen)
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -26,13 +82,31 @@ class ServerHandle:
             return "<no log>"
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL if it is still there after
+        `timeout_s`; a server asyncrl did not start is left alone."""
+        if not self.owned:
+            return
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server and anything left in its process group, and reap it."""
+        if not self.owned:
+            return
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+
+    def _signal_group(self, sig: int) -> None:
+        try:  # the group id is the server's pid (process_group=0 at launch)
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the whole group is gone already
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
 
     def __enter__(self) -> ServerHandle:
         return self

@@ -12,7 +12,9 @@ attached to (and must run with tp size `num_gpus_per_worker`).
 - asyncrl's own (never passed to SGLang): `server_urls`, `router` (true | false | auto — auto:
   when there is more than one engine), `router_policy` (default cache_aware), `router_args`
   (a mapping, rendered like server flags), `launch_timeout_s` (default 900), `host` (default
-  127.0.0.1), `env` (extra environment variables for the server processes).
+  127.0.0.1), `env` (extra environment variables for the server processes), `api_key` (the
+  engines' key, e.g. the one attached `server_urls` were started with; default: the run's own
+  per-run secret, see below).
 - set by asyncrl and refused in strategy_config: `model_path`, `port`, `tp_size` (and its
   aliases `tp`, `tensor_parallel_size`; use num_gpus_per_worker).
 - renamed: `max_model_len` -> `--context-length` (ROLL's key for SGLang's flag).
@@ -21,13 +23,20 @@ attached to (and must run with tp size `num_gpus_per_worker`).
   followed by each item; a mapping -> the flag followed by its JSON; anything else -> str(value).
   So `mem_fraction_static: 0.7` -> `--mem-fraction-static 0.7`, `load_format: dummy` ->
   `--load-format dummy`. `dtype` defaults from `actor_infer.model_args.dtype`.
+
+Authentication: with an API key, every server gets `--api-key KEY` (SGLang then wants
+`Authorization: Bearer KEY` on all but /health*), and the router gets `--api-key KEY` too
+(SGLang's router uses it to call its workers; it does not check its own callers, and listens on
+`host`, loopback by default). SGLang reads the key only from its command line, so it is visible
+in `ps` to users of the same machine (asyncrl's own hf server takes it from the environment).
+
+Launched processes die with the driver, SIGKILL included (`engine/process.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -40,11 +49,11 @@ from typing import Any
 
 from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import DeviceSpec
-from asyncrl.engine.process import EngineLaunchError, ServerHandle
+from asyncrl.engine.process import EngineLaunchError, ServerHandle, popen
 from asyncrl.net import free_port
 
 OWN_KEYS = ("server_urls", "router", "router_policy", "router_args", "launch_timeout_s", "host")
-OWN_KEYS += ("env",)
+OWN_KEYS += ("env", "api_key")
 RESERVED = ("model_path", "port", "tp_size", "tp", "tensor_parallel_size")
 RENAMED = {"max_model_len": "context_length"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -66,6 +75,7 @@ class SGLangSettings:
     launch_timeout_s: float = 900.0
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
+    api_key: str | None = None
 
     @classmethod
     def parse(cls, strategy_config: Mapping[str, Any], dtype: str | None = None) -> SGLangSettings:
@@ -93,6 +103,7 @@ class SGLangSettings:
             launch_timeout_s=float(own.get("launch_timeout_s", 900.0)),
             host=str(own.get("host", "127.0.0.1")),
             env={str(k): str(v) for k, v in (own.get("env") or {}).items()},
+            api_key=str(own["api_key"]) if own.get("api_key") else None,
         )
 
 
@@ -120,21 +131,25 @@ def server_command(
     tp_size: int,
     settings: SGLangSettings,
     seed: int | None = None,
+    *,
+    api_key: str | None = None,
 ) -> list[str]:
-    """`python -m sglang.launch_server ...` for one engine."""
+    """`python -m sglang.launch_server ...` for one engine (`--api-key` last, when given)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
     cmd += ["--host", settings.host, "--port", str(port), "--tp-size", str(tp_size)]
     flags = dict(settings.server_flags)
     if seed is not None and "random_seed" not in flags:
         flags["random_seed"] = seed
-    return cmd + to_flags(flags)
+    return cmd + to_flags(flags) + (["--api-key", api_key] if api_key else [])
 
 
-def router_command(worker_urls: Sequence[str], port: int, settings: SGLangSettings) -> list[str]:
+def router_command(
+    worker_urls: Sequence[str], port: int, settings: SGLangSettings, api_key: str | None = None
+) -> list[str]:
     """`python -m sglang_router.launch_router --worker-urls ... --policy ...`."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
-    return cmd + to_flags(settings.router_args)
+    return cmd + to_flags(settings.router_args) + (["--api-key", api_key] if api_key else [])
 
 
 def engine_devices(device_mapping: Sequence[int], tp_size: int) -> list[list[int]]:
@@ -151,15 +166,13 @@ def engine_devices(device_mapping: Sequence[int], tp_size: int) -> list[list[int
 
 # ---- processes ---------------------------------------------------------------------------------
 class AttachedProcess:
-    """Stands in for the Popen of a server asyncrl did not start: never 'exits', never killed."""
+    """Stands in for the Popen of a server asyncrl did not start: never 'exits', never killed
+    (`ServerHandle.stop` leaves it alone)."""
 
     returncode = None
 
     def poll(self) -> None:
         return None
-
-    def terminate(self) -> None:
-        pass
 
 
 def wait_healthy(handle: ServerHandle, path: str, timeout_s: float, what: str) -> ServerHandle:
@@ -187,20 +200,21 @@ def wait_healthy(handle: ServerHandle, path: str, timeout_s: float, what: str) -
 
 
 def start_process(cmd: list[str], env: Mapping[str, str], url: str, log_path: Path) -> ServerHandle:
+    """Start a server (or the router): its own process group, dies with this process."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
-        )
+        proc = popen(cmd, {**os.environ, **env}, log)
     return ServerHandle(proc, url, log_path)
 
 
-def attach(url: str, timeout_s: float, tp_size: int) -> ServerHandle:
+def attach(url: str, timeout_s: float, tp_size: int, api_key: str | None = None) -> ServerHandle:
     """A handle on a running server; checks its health and (when it says) its tp size."""
     handle = ServerHandle(AttachedProcess(), url, Path(os.devnull))  # type: ignore[arg-type]
     wait_healthy(handle, "/health_generate", timeout_s, "attached sglang server")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+        req = urllib.request.Request(url + "/get_server_info", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
             info = json.loads(r.read() or b"{}")
     except (urllib.error.URLError, OSError, ValueError):
         return handle  # older servers: nothing to check against
@@ -217,11 +231,19 @@ class SGLangLauncher:
     """Launches (or attaches to) the SGLang engines of `actor_infer`, and the router."""
 
     def __init__(
-        self, infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int, device: DeviceSpec
+        self,
+        infer: WorkerConfig,
+        model_dir: Path,
+        log_dir: Path,
+        seed: int,
+        device: DeviceSpec,
+        api_key: str | None = None,
     ) -> None:
         self.settings = SGLangSettings.parse(
             infer.strategy_args.strategy_config, infer.model_args.dtype
         )
+        # Attached servers keep the key they were started with; launched ones get the run's.
+        self.api_key = self.settings.api_key or api_key
         self.model_dir, self.log_dir, self.seed, self.device = model_dir, log_dir, seed, device
         self.tp_size = infer.num_gpus_per_worker
         if self.settings.server_urls:
@@ -235,9 +257,12 @@ class SGLangLauncher:
     def launch(self, index: int, port: int | None = None) -> ServerHandle:
         timeout = self.settings.launch_timeout_s
         if self.settings.server_urls:
-            return attach(self.settings.server_urls[index], timeout, self.tp_size)
+            return attach(self.settings.server_urls[index], timeout, self.tp_size, self.api_key)
         port = port or free_port(self.settings.host)
-        cmd = server_command(self.model_dir, port, self.tp_size, self.settings, self.seed + index)
+        cmd = server_command(
+            self.model_dir, port, self.tp_size, self.settings, self.seed + index,
+            api_key=self.api_key,
+        )  # fmt: skip
         env = {**self.device.visibility(self.devices[index]), **self.settings.env}
         url = f"http://{self.settings.host}:{port}"
         handle = start_process(cmd, env, url, self.log_dir / f"sglang_{index}_{port}.log")
@@ -255,7 +280,7 @@ class SGLangLauncher:
 
     def _start_router(self, worker_urls: list[str]) -> ServerHandle:
         port = free_port(self.settings.host)
-        cmd = router_command(worker_urls, port, self.settings)
+        cmd = router_command(worker_urls, port, self.settings, self.api_key)
         url = f"http://{self.settings.host}:{port}"
         handle = start_process(cmd, self.settings.env, url, self.log_dir / "router.log")
         return wait_healthy(handle, "/health", self.settings.launch_timeout_s, "sglang router")

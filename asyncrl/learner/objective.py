@@ -2,9 +2,9 @@
 
 The torch learner and the Megatron learner differ in how they get per-token logprobs (a
 transformers forward vs. vocab-parallel cross-entropy over TP shards) and in how they step the
-optimizer; everything between — rollout IS and rejection, the policy objective with its entropy
-and KL terms, the micro-batch share of a mini-batch loss, the learning-rate schedule — is here,
-once, so both backends optimise exactly the same objective.
+optimizer; everything between — the batch-level advantages, rollout IS and rejection, the
+policy objective with its entropy and KL terms, the micro-batch share of a mini-batch loss, the
+learning-rate schedule — is here, once, so both backends optimise exactly the same objective.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.algo.advantages import AdvantageParams, batch_outcome_advantages, estimator_stage
 from asyncrl.algo.importance import (
     RolloutIS,
     apply_rollout_is,
@@ -56,6 +57,54 @@ def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Call
     return factor
 
 
+def check_estimator(alg: AlgorithmConfig) -> None:
+    """Refuse, when the learner is built, an estimator the loop cannot compute (gae: there is no
+    critic), rather than train on the zero advantages that collation fills in."""
+    if estimator_stage(alg.adv_estimator) == "critic":
+        raise ValueError(
+            f"algorithm.adv_estimator: {alg.adv_estimator} needs a critic (value model), which "
+            "asyncrl does not have yet"
+        )
+
+
+@torch.no_grad()
+def batch_advantages(alg: AlgorithmConfig, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The [B, R] advantages the policy loss uses for the whole collated batch `data`.
+
+    Group estimators (grpo, drgrpo, rloo) came with the groups from the rollout: returned as
+    collated. Batch estimators (REINFORCE++ and its baseline variant) are computed here from
+    each row's reward (a response's score or an episode's return) and the loss mask, groups
+    given by `group_index`; the caller runs this on the full batch, before sharding rows over
+    ranks or mini-batches, so every mini-batch sees the batch-level whitening. The mask is the
+    collated loss mask, before rejection sampling narrows it (group advantages are computed
+    before it too). Advantages a group carried for a batch estimator are replaced.
+    """
+    stage = estimator_stage(alg.adv_estimator)
+    if stage == "rollout":
+        return data["advantages"]
+    check_estimator(alg)
+    params = AdvantageParams(
+        gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo
+    )
+    adv = batch_outcome_advantages(
+        alg.adv_estimator, data["rewards"], data["response_mask"], data["group_index"], params
+    )
+    return adv.to(data["advantages"].dtype)
+
+
+def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean, max and min of the advantages over the valid tokens (verl's critic/advantages/*);
+    0.0 each when no token is valid."""
+    valid = advantages[mask > 0].to(torch.float64)
+    if valid.numel() == 0:
+        return dict.fromkeys(("learner/adv_mean", "learner/adv_max", "learner/adv_min"), 0.0)
+    return {
+        "learner/adv_mean": float(valid.mean()),
+        "learner/adv_max": float(valid.max()),
+        "learner/adv_min": float(valid.min()),
+    }
+
+
 def rollout_is_settings(alg: AlgorithmConfig) -> RolloutIS:
     """The rollout IS settings from verl's flat `algorithm.rollout_is*` keys.
 
@@ -90,7 +139,7 @@ def correct(
         mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
         metrics.update(rs_metrics)
     if weights is not None and alg.rollout_is_batch_normalize:
-        weights = normalize_weights_to_batch_mean(weights, mask)
+        weights = normalize_weights_to_batch_mean(weights, mask, alg.rollout_is_level)
     if loss_mode in LOSSES_NEEDING_BEHAV:
         weights = None
     return weights, mask, metrics

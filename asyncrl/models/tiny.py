@@ -16,13 +16,14 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import EMBEDDED_TASK, ArithmeticTask, make_rows
 from asyncrl.device import torch_threads
+from asyncrl.logs import StepProgress
 
 # Bump when a change here alters what gets built: it is part of the cache key.
 CODE_VERSION = 1
@@ -236,8 +237,14 @@ def _collate(batch: list, pad_id: int) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
-    """Supervised warm-start on the train split (AdamW, warmup + cosine). Returns final loss."""
+def warm_start(
+    model: Any,
+    tokenizer: Any,
+    spec: TinyModelSpec,
+    on_step: Callable[[int, float], None] | None = None,
+) -> float:
+    """Supervised warm-start on the train split (AdamW, warmup + cosine). Returns final loss.
+    `on_step(steps_done, loss)` is called after every optimizer step (progress reporting)."""
     import torch
 
     rows = make_rows(spec.task, "train", spec.train_rows, spec.seed)
@@ -263,7 +270,7 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
     # spinning OpenMP threads made steps ~10x slower; it also keeps the result independent of
     # the machine's core count.
     with torch_threads(1):
-        for _ in range(spec.steps):
+        for step in range(spec.steps):
             pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
             batch = [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
             out = model(**_collate(batch, tokenizer.pad_token_id))
@@ -273,12 +280,17 @@ def warm_start(model: Any, tokenizer: Any, spec: TinyModelSpec) -> float:
             sched.step()
             opt.zero_grad(set_to_none=True)
             loss = out.loss.item()
+            if on_step is not None:
+                on_step(step + 1, loss)
     model.eval()
     return loss
 
 
-def build_embedded_model(out_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC) -> dict[str, Any]:
-    """Build, warm-start and save the model into ``out_dir``; returns the recorded report."""
+def build_embedded_model(
+    out_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC, progress: bool = False
+) -> dict[str, Any]:
+    """Build, warm-start and save the model into ``out_dir``; returns the recorded report.
+    ``progress`` shows the warm-start's steps, loss and ETA on stderr (it takes minutes)."""
     import torch
     import transformers
 
@@ -286,7 +298,11 @@ def build_embedded_model(out_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC
     t0, cpu0 = time.perf_counter(), time.process_time()
     tokenizer = build_tokenizer()
     model = build_model(spec, tokenizer)
-    loss = warm_start(model, tokenizer, spec)
+    if progress:
+        with StepProgress(spec.steps, "asyncrl: warm-start") as bar:
+            loss = warm_start(model, tokenizer, spec, lambda n, x: bar.update(n, loss=x))
+    else:
+        loss = warm_start(model, tokenizer, spec)
     train_s, train_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     heldout = make_rows(spec.task, "heldout", spec.heldout_rows, spec.seed)
     report: dict[str, Any] = {
@@ -336,10 +352,13 @@ def ensure_embedded_model(
         if (final / MARKER).is_file():
             return final  # another process built it while we waited
         if verbose:
-            print(f"asyncrl: building the embedded model into {final} (once)", file=sys.stderr)
+            print(
+                f"asyncrl: building the embedded model into {final} (once; minutes on a CPU)",
+                file=sys.stderr,
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
         try:
-            report = build_embedded_model(tmp, spec)
+            report = build_embedded_model(tmp, spec, progress=verbose)
             if final.exists():  # incomplete leftover (no marker): replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -34,9 +34,10 @@ def _import_path(spec: str) -> RewardFn:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - user code: a SyntaxError or its own error too
+        first = (str(exc).strip().splitlines() or [""])[0]
         raise RewardError(
-            f"reward {spec!r}: cannot import module {module_name!r} ({exc})"
+            f"reward {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: {first})"
         ) from None
     fn = getattr(module, attr, None)
     if fn is None:
@@ -46,14 +47,28 @@ def _import_path(spec: str) -> RewardFn:
     return fn
 
 
+def _unknown(name: str, names: list[str]) -> RewardError:
+    return RewardError(
+        f"unknown reward {name!r}; valid names: {', '.join(sorted(names))} "
+        "(or a 'package.module:function' path)"
+    )
+
+
+def check_reward(name: str) -> None:
+    """Raise `RewardError` unless `name` resolves: a built-in name, or a 'module:function' path
+    that imports to a callable. A built-in's optional package is checked only when the reward
+    is built (`get_reward_fn`), so a config naming `math_verify` validates on any machine."""
+    if ":" in name:
+        _import_path(name)
+    elif name not in builtin_rewards():
+        raise _unknown(name, reward_names())
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """A built-in reward by name, or any ``module:function`` taking (prompt, response, metadata)."""
     if ":" in name:
         return _import_path(name)
     factories = builtin_rewards()
     if name not in factories:
-        raise RewardError(
-            f"unknown reward {name!r}; valid names: {', '.join(sorted(factories))} "
-            "(or a 'package.module:function' path)"
-        )
+        raise _unknown(name, list(factories))
     return factories[name]()

@@ -6,6 +6,11 @@ hands pending prompts to workers with free slots (`issue`, oldest first, so re-i
 first), frees a slot when a worker reports (`reported`) and puts a failed worker's prompts
 back to pending (`requeue`); the receive pump's `put` delivers a prompt. So a prompt is
 pending, in flight or delivered — never lost — and the checkpoint stores that ledger once.
+
+Failures: a worker retries a retriable error itself (with backoff) before it reports the
+prompt failed; a failed prompt is re-issued. A permanent failure (`PromptResult.permanent`, or
+a pool's `PermanentRolloutError`) stops the dispatcher at once, and `check` raises it with the
+worker's message in full, so the loop fails with the real error instead of a batch timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any, Protocol
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.replay.queue import ReplayQueue
-from asyncrl.rollout.settings import PromptResult
+from asyncrl.rollout.settings import PermanentRolloutError, PromptResult
 
 
 class WorkerPool(Protocol):
@@ -29,7 +34,8 @@ class WorkerPool(Protocol):
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
         """Finished submissions: (worker, handle, results or the exception that ended them).
-        The pool replaces a dead worker itself; its submissions come back as exceptions."""
+        The pool replaces a dead worker itself; its submissions come back as exceptions
+        (a `PermanentRolloutError` when replacing it cannot help)."""
 
 
 class Dispatcher:
@@ -48,6 +54,7 @@ class Dispatcher:
         self.max_inflight = max_inflight_per_worker
         self.handles: dict[Any, list[str]] = {}  # submission handle -> its prompt keys
         self.counters = {"dispatched": 0, "reissued": 0, "failed_prompts": 0, "actor_failures": 0}
+        self.counters["permanent_failures"] = 0
         self.last_error = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="asyncrl-dispatch", daemon=True)
@@ -70,13 +77,17 @@ class Dispatcher:
 
     def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.error is None:
                 self.dispatch_once()
                 self.reap(timeout=0.02)
         except BaseException as e:  # surfaced to the training loop by `check`
             self.error = e
 
     def check(self) -> None:
+        """Raise what stopped the dispatcher: a permanent rollout error as itself (its message
+        is the worker's, whole), anything else as a RuntimeError naming it."""
+        if isinstance(self.error, PermanentRolloutError):
+            raise PermanentRolloutError(str(self.error)) from self.error
         if self.error is not None:
             raise RuntimeError(f"dispatcher failed: {self.error}") from self.error
 
@@ -114,19 +125,29 @@ class Dispatcher:
         for worker, handle, outcome in self.pool.poll(timeout):
             keys = self.handles.pop(handle, [])
             if isinstance(outcome, Exception):
-                error = f"rollout worker {worker}: {type(outcome).__name__}: {outcome}"
-                self.last_error = error[:300]
+                self.last_error = f"rollout worker {worker}: {type(outcome).__name__}: {outcome}"
                 self.counters["actor_failures"] += 1
+                if isinstance(outcome, PermanentRolloutError):
+                    self._permanent(self.last_error)
                 failed = keys
             else:
                 done = {r.key for r in outcome if r.ok}
                 failed = [key for key in keys if key not in done]  # unanswered ones too
-                errors = [r.error for r in outcome if not r.ok]
-                if errors:
-                    self.last_error = errors[-1]
+                for r in outcome:
+                    if not r.ok:
+                        self.last_error = r.error
+                    if r.permanent:
+                        self._permanent(f"rollout worker {worker}, prompt {r.key}: {r.error}")
                 self.admission.reported(done, worker)
+            # Even when the run stops: the ledger stays exact (a checkpoint may still be taken).
             self.counters["reissued"] += self.admission.requeue(failed, worker)
             self.counters["failed_prompts"] += len(failed)
+
+    def _permanent(self, message: str) -> None:
+        """A failure no retry can fix: the first one stops the dispatcher (see `check`)."""
+        self.counters["permanent_failures"] += 1
+        if self.error is None:
+            self.error = PermanentRolloutError(message)
 
     def metrics(self) -> dict[str, float]:
         out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}

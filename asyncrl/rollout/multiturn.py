@@ -15,8 +15,9 @@ Faults (nothing disappears silently):
   baseline, and the group's metadata counts it (`env/failed`, `env/timeouts`, `env/error`),
   which the loop reports as `env/episodes_failed` and `env/step_timeouts`;
 - a failed or hung `reset`, a non-deterministic reset, an engine error, or a group whose every
-  episode failed fails the prompt: `build` raises, the actor reports the prompt failed with the
-  reason, and the dispatcher re-issues it.
+  episode failed fails the prompt: `build` raises, the worker retries it, then reports the
+  prompt failed with the reason, and the dispatcher re-issues it (a prompt without an env seed
+  is a permanent error: the run stops).
 Env calls run in daemon threads under an asyncio timeout: a hung call cannot block the event
 loop, the other episodes or process exit (its thread is abandoned and its env never reused).
 """
@@ -32,14 +33,16 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.algo.advantages import estimator_stage
 from asyncrl.algo.episode import episode_return, per_step_advantages, trajectory_advantages
 from asyncrl.data.prompts import PromptItem
 from asyncrl.envs.base import as_messages, check_step
 from asyncrl.envs.registry import make_env, resolve_env
 from asyncrl.rollout.chat_tokens import TurnTemplate
 from asyncrl.rollout.settings import (
+    PermanentRolloutError,
     RolloutSettings,
-    plain_metadata,
+    group_metadata,
     request_seed,
     sampling_params,
 )
@@ -155,8 +158,8 @@ class EpisodeBuilder:
             raise ValueError("EpisodeBuilder needs RolloutSettings.env")
         self.s, self.env_cfg = settings, settings.env
         resolve_env(self.env_cfg.name)  # a bad name or path fails when the actor starts
-        timeout = settings.rollout.request_timeout_s
-        self.clients = [EngineClient(u, timeout=timeout) for u in settings.engine_urls]
+        timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
+        self.clients = [EngineClient(u, timeout=timeout, api_key=key) for u in settings.engine_urls]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.template = TurnTemplate(self.tokenizer, self.env_cfg.template)
@@ -165,8 +168,10 @@ class EpisodeBuilder:
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
         """n episodes of the env seed `item.metadata["env_seed"]`, scored, with advantages."""
-        if "env_seed" not in item.metadata:
-            raise EpisodeError(f"prompt {item.key} has no env_seed (env runs need seed prompts)")
+        if "env_seed" not in item.metadata:  # no retry can add it: the run stops
+            raise PermanentRolloutError(
+                f"prompt {item.key} has no env_seed (env runs need seed prompts)"
+            )
         seed = int(item.metadata["env_seed"])
         client = self.clients[next(self._next_engine)]
         try:
@@ -277,23 +282,22 @@ class EpisodeBuilder:
                 "versions": ep.versions,
                 "loss_mask": np.asarray(ep.mask if ok else [0] * len(ep.ids), np.uint8),
                 "reward": ret,
-                "advantages": adv,
                 "finish_reason": ep.finish_reason,
+                **({} if adv is None else {"advantages": adv}),
             }
             for ep, ok, ret, adv in zip(episodes, valid, returns, advantages, strict=True)
         ]
-        metadata = {
-            "prompt_key": item.key,
-            **plain_metadata(item.metadata),
-            **_counts(episodes, returns),
-        }
+        metadata = group_metadata(item.key, item.metadata, **_counts(episodes, returns))
         return TrajectoryGroup.from_responses(item.key, episodes[0].prompt_ids, responses, metadata)
 
     def _advantages(
         self, episodes: list[Episode], returns: list[float], valid: list[bool]
-    ) -> list[np.ndarray]:
-        """Token advantages per episode (see asyncrl.algo.episode for the two modes)."""
+    ) -> list[np.ndarray] | list[None]:
+        """Token advantages per episode (see asyncrl.algo.episode for the two modes); None for
+        a batch-level estimator, which the learner computes on the whole batch from the returns."""
         est, norm = self.s.algorithm.adv_estimator, self.s.algorithm.norm_adv_by_std_in_grpo
+        if estimator_stage(est) != "rollout":
+            return [None] * len(episodes)
         if self.env_cfg.advantage_mode == "per_step":
             rewards = [ep.turn_rewards for ep in episodes]
             turns = per_step_advantages(rewards, valid, est, self.env_cfg.gamma, norm)

@@ -3,6 +3,12 @@
 A worker that dies (its process killed, an unhandled error) is replaced by a fresh one with the
 same settings; every submission it held comes back from `poll` as an exception so the
 dispatcher re-issues those prompts. Ray starts locally unless `RAY_ADDRESS` names a cluster.
+
+A worker that cannot be built (a bad reward function, a tokenizer that does not load, no
+receiver to connect to) is not a process to replace: the pool raises `PermanentRolloutError`
+with the real error at start, and a replacement that fails the same way answers every prompt
+with a permanent result. `MAX_CONSECUTIVE_DEATHS` deaths of one worker with no answer in
+between end the run the same way, instead of respawning forever.
 """
 
 from __future__ import annotations
@@ -14,17 +20,34 @@ from typing import Any
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.net import init_ray
-from asyncrl.rollout.settings import PromptResult, RolloutSettings
+from asyncrl.rollout.settings import PermanentRolloutError, PromptResult, RolloutSettings
 from asyncrl.rollout.worker import RolloutWorker
+
+#: Deaths of one worker in a row (no answer in between) after which the run stops.
+MAX_CONSECUTIVE_DEATHS = 3
 
 
 class _RayRolloutWorker:
-    """The Ray-side shell: one RolloutWorker per Ray actor process, called concurrently."""
+    """The Ray-side shell: one RolloutWorker per Ray actor process, called concurrently. Its
+    construction never raises: a failure is kept and reported (`start_error`, and a permanent
+    result for every prompt), since Ray would only restart an actor that raised."""
 
     def __init__(self, settings: RolloutSettings) -> None:
-        self.worker = RolloutWorker(settings)
+        self.worker: RolloutWorker | None = None
+        self.start_error = ""
+        try:
+            self.worker = RolloutWorker(settings)
+        except Exception as e:  # noqa: BLE001 - reported whole by start_error / run_prompts
+            self.start_error = f"{type(e).__name__}: {e}"
+
+    def started(self) -> str:
+        """'' once the worker is built, else why it could not be."""
+        return self.start_error
 
     async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
+        if self.worker is None:
+            error = f"rollout worker failed to start: {self.start_error}"
+            return [PromptResult(it.key, ok=False, error=error, permanent=True) for it in items]
         return await self.worker.run_prompts(items)
 
     def pid(self) -> int:
@@ -43,8 +66,23 @@ class RayWorkerPool:
         self._settings_for = settings_for
         self.workers = [self._spawn(i) for i in range(num_workers)]
         self.generation = [0] * num_workers
+        self.deaths = [0] * num_workers  # in a row, per worker: reset by any answer
         self.refs: dict[Any, tuple[int, int]] = {}  # ref -> (actor, generation)
         self.restarts = 0
+        self._check_started()
+
+    def _check_started(self) -> None:
+        """Wait until every worker is built; PermanentRolloutError (the workers stopped) with
+        the first failure's message in full otherwise."""
+        try:
+            errors = self._ray.get([w.started.remote() for w in self.workers])
+        except Exception as e:  # the actor process itself died while starting
+            errors = [f"{type(e).__name__}: {e}"]
+        failed = [(i, err) for i, err in enumerate(errors) if err]
+        if failed:
+            self.close()
+            index, error = failed[0]
+            raise PermanentRolloutError(f"rollout worker {index} failed to start: {error}")
 
     def _spawn(self, index: int) -> Any:
         return self._cls.options(name=None).remote(self._settings_for(index))
@@ -69,10 +107,17 @@ class RayWorkerPool:
             actor, gen = self.refs.pop(ref)
             try:
                 outcome: Any = self._ray.get(ref)
+                self.deaths[actor] = 0
             except Exception as e:  # noqa: BLE001 - RayActorError and task errors alike
                 outcome = e
                 if gen == self.generation[actor]:
+                    self.deaths[actor] += 1
                     self._replace(actor)
+                if self.deaths[actor] >= MAX_CONSECUTIVE_DEATHS:
+                    outcome = PermanentRolloutError(
+                        f"rollout worker {actor} died {self.deaths[actor]} times in a row; "
+                        f"last: {type(e).__name__}: {e}"
+                    )
             out.append((actor, ref, outcome))
         return out
 

@@ -4,6 +4,7 @@
 env) plus where this worker reads (engine URLs, tokenizer) and writes (the transport address);
 nothing is copied field by field. `sampling_params` is the one place a request's SGLang
 `sampling_params` are built (training samples, episode turns and greedy evaluation alike).
+`PermanentRolloutError` marks a failure that re-issuing the prompt cannot fix.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ class RolloutSettings:
     """`response_length`: default tokens per response; the cap on an episode's response."""
     seed: int = 0
     """Run seed; every request's sampling seed derives from it (`request_seed`)."""
+    transport_secret: bytes | None = field(default=None, repr=False)
+    """The run's secret for the ZMQ stream: this worker's connection proves it in its
+    handshake, PLAIN or CURVE as `rollout.transport_host` says (`transport/auth.py`). None: no
+    credentials (the receiver must have no secret either)."""
+    engine_api_key: str | None = field(default=None, repr=False)
+    """The run's API key for the engines' HTTP endpoints (None: engines without one)."""
+    retry_attempts: int = 4
+    """Tries of a prompt in the worker on a retriable error (engine busy or unreachable,
+    timeouts) before it is reported failed and re-issued by the dispatcher."""
+    retry_backoff_s: float = 0.5
+    """Wait before the 2nd try; it doubles for each later one (with jitter), up to
+    `retry_backoff_max_s`."""
+    retry_backoff_max_s: float = 8.0
+    """Longest wait between two tries of a prompt."""
 
     @property
     def max_new_tokens(self) -> int:
@@ -49,13 +64,21 @@ class RolloutSettings:
 
 @dataclass
 class PromptResult:
-    """A worker's answer for one prompt: delivered (ok) or failed with the reason (re-issued)."""
+    """A worker's answer for one prompt: delivered (ok), or failed with the reason in full:
+    re-issued, unless `permanent` (then the run fails with `error`)."""
 
     key: str
     ok: bool
     error: str = ""
     tokens: int = 0
     reward_mean: float = 0.0
+    permanent: bool = False
+    """The failure cannot be fixed by re-issuing (a bad reward function, a missing data
+    column, an engine's 4xx answer, a worker that could not start)."""
+
+
+class PermanentRolloutError(RuntimeError):
+    """A rollout failure that no retry can fix; the run stops with this message in full."""
 
 
 def request_seed(seed: int, key: str, index: int) -> int:
@@ -88,3 +111,14 @@ def plain_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
         for k, v in metadata.items()
         if isinstance(v, ok) or (isinstance(v, list) and all(isinstance(x, ok) for x in v))
     }
+
+
+#: Where a group's metadata keeps the prompt row's own fields (dataset columns, env seed).
+DATA_KEY = "data"
+
+
+def group_metadata(key: str, row: dict[str, Any], **own: Any) -> dict[str, Any]:
+    """A group's metadata: asyncrl's keys (`prompt_key`, and `own`, e.g. env counts) at the top
+    level, the prompt row's fields under `DATA_KEY`. The row can name a column anything
+    (`prompt_key` included) without touching asyncrl's keys."""
+    return {"prompt_key": key, **own, DATA_KEY: plain_metadata(row)}

@@ -4,6 +4,10 @@ For each prompt `GroupBuilder` sends `n` concurrent requests through the SGLang-
 scores every response with the reward function and computes the group's advantages (the group
 estimators: grpo, drgrpo, rloo). No transport: the rollout worker and the equivalence test's
 reference loop share it.
+
+The reward function sees the prompt row's fields (`item.metadata`) as they are. In the group's
+metadata they travel under `"data"` (see `group_metadata`), apart from asyncrl's own keys, so
+no dataset column (`prompt_key`, say) can overwrite what the receive side relies on.
 """
 
 from __future__ import annotations
@@ -14,16 +18,21 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.algo.advantages import (
+    AdvantageParams,
+    compute_advantages,
+    estimator_stage,
+    overlong_penalty,
+)
 from asyncrl.data.prompts import PromptItem
 from asyncrl.rollout.settings import (
+    PermanentRolloutError,
     RolloutSettings,
-    plain_metadata,
+    group_metadata,
     request_seed,
     sampling_params,
 )
 from asyncrl.types import TrajectoryGroup
-
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 
 class GroupBuilder:
@@ -36,8 +45,8 @@ class GroupBuilder:
         from asyncrl.rewards import get_reward_fn
 
         self.s = settings
-        timeout = settings.rollout.request_timeout_s
-        self.clients = [EngineClient(u, timeout=timeout) for u in settings.engine_urls]
+        timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
+        self.clients = [EngineClient(u, timeout=timeout, api_key=key) for u in settings.engine_urls]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.reward_fn = get_reward_fn(settings.rollout.reward_fn)
@@ -63,7 +72,7 @@ class GroupBuilder:
         responses = []
         for c in completions:
             text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
-            reward = float(self.reward_fn(item.prompt_text, text, item.metadata))
+            reward = self._reward(item, text)
             responses.append(
                 {
                     "response_ids": c.output_ids,
@@ -78,16 +87,28 @@ class GroupBuilder:
             rewards = rewards + self._overlong(responses)
             for r, value in zip(responses, rewards, strict=True):
                 r["reward"] = float(value)
-        if alg.adv_estimator in GROUP_ESTIMATORS:
+        if estimator_stage(alg.adv_estimator) == "rollout":  # else: the learner's, per batch
             advantages = self._group_advantages(rewards)
             for r, adv in zip(responses, advantages, strict=True):
                 r["advantages"] = np.full(len(r["response_ids"]), adv, dtype=np.float32)
-        metadata = {"prompt_key": item.key, **plain_metadata(item.metadata)}
+        metadata = group_metadata(item.key, item.metadata)
         return TrajectoryGroup.from_responses(item.key, item.prompt_ids, responses, metadata)
 
-    def _overlong(self, responses: list[dict[str, Any]]) -> np.ndarray:
-        from asyncrl.algo.advantages import overlong_penalty
+    def _reward(self, item: PromptItem, text: str) -> float:
+        """The reward of one response. A reward function that raises (a missing column, a bug,
+        a non-number) fails the same way on every retry: a permanent error, named in full.
+        Only a busy or unreachable remote verifier (timeout, connection) is worth retrying."""
+        try:
+            return float(self.reward_fn(item.prompt_text, text, item.metadata))
+        except (TimeoutError, ConnectionError):
+            raise
+        except Exception as e:
+            raise PermanentRolloutError(
+                f"reward_fn {self.s.rollout.reward_fn!r} failed on prompt {item.key}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
 
+    def _overlong(self, responses: list[dict[str, Any]]) -> np.ndarray:
         lengths = [len(r["response_ids"]) for r in responses]
         alg = self.s.algorithm
         penalty = overlong_penalty(
@@ -98,8 +119,6 @@ class GroupBuilder:
     def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Outcome advantages within the group (one value per response)."""
         import torch
-
-        from asyncrl.algo.advantages import AdvantageParams, compute_advantages
 
         scores = torch.as_tensor(rewards).unsqueeze(1)  # [n, 1]: one token carries the score
         alg = self.s.algorithm

@@ -1,5 +1,7 @@
-"""Transport: the wire codec (msgpack header + raw side buffers) and the ZMQ PUSH/PULL channel."""
+"""Transport: the wire codec (msgpack header + raw side buffers), the ZMQ PUSH/PULL channel and
+its connection authentication (ZMTP PLAIN or CURVE, keyed by the run's secret)."""
 
+from asyncrl.transport.auth import Credentials, needs_curve
 from asyncrl.transport.codec import (
     DecodeError,
     EncodeError,
@@ -19,6 +21,7 @@ from asyncrl.transport.zmq import (
 )
 
 __all__ = [
+    "Credentials",
     "DecodeError",
     "EncodeError",
     "Receiver",
@@ -32,4 +35,5 @@ __all__ = [
     "decode_group",
     "encode_arrays",
     "encode_group",
+    "needs_curve",
 ]

@@ -21,6 +21,13 @@ Sockets close with linger=0 so no process hangs on exit behind a dead peer; mess
 in a closing sender's pipe, or not yet taken from a closing receiver's, are discarded. The
 receiver binds 127.0.0.1 unless `host` says otherwise; port 0 picks a free port (see
 `Receiver.address`).
+
+Authentication, per connection (`auth.py`): with the run's `secret`, the receiver's socket is a
+ZMTP PLAIN server (it binds loopback) or CURVE server (any other address), whose handshakes a
+ZAP handler checks against the secret; a sender proves it in its handshake. libzmq reads no
+message of a connection whose handshake failed, so a process without the secret delivers
+nothing, not even a READY ping (its `Sender` times out as if no receiver were there); its
+refused handshakes are counted (`unauthenticated`). Messages carry no extra frame or byte.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import zmq
 
+from asyncrl.transport.auth import ConnectionGate, Credentials, needs_curve
 from asyncrl.transport.codec import (
     MAX_FRAMES,
     MAX_MESSAGE_BYTES,
@@ -72,6 +80,12 @@ class SenderConfig:
     send_timeout_s: float | None = 30.0  # None: block until there is room
     ready_timeout_s: float | None = 60.0  # None: wait for the receiver forever
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # The run's secret, proven in the handshake. None: no credentials (the receiver must have
+    # no secret either). Never printed (repr=False).
+    secret: bytes | None = field(default=None, repr=False)
+    # CURVE or PLAIN, as the receiver uses: None picks what a receiver bound to `host` would
+    # (`needs_curve`); a sender reaching through loopback a receiver bound to 0.0.0.0 says True.
+    curve: bool | None = None
 
 
 @dataclass
@@ -82,6 +96,11 @@ class ReceiverConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_frames: int = MAX_FRAMES
     poll_interval_s: float = 0.05  # how often a waiting `get` looks whether `close` was called
+    # The run's secret: only connections whose handshake proves it are read. None: no
+    # authentication (tests, benches). Never printed (repr=False).
+    secret: bytes | None = field(default=None, repr=False)
+    # CURVE (encrypted) or PLAIN; None: `needs_curve(host)`, CURVE unless `host` is loopback.
+    curve: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +109,8 @@ class ReceiverStats:
     rejected: int  # messages that failed to decode (dropped, reason logged)
     bytes: int  # bytes of every message read off the socket, rejected ones included
     pings: int  # READY pings seen
-    last_error: str | None  # reason of the latest rejection
+    unauthenticated: int  # connections refused at the handshake (nothing of theirs was read)
+    last_error: str | None  # reason of the latest rejection or refusal
 
 
 class Sender:
@@ -110,8 +130,12 @@ class Sender:
         self.sent = 0
         self.bytes_sent = 0
         try:
+            if config.secret is not None:
+                curve = needs_curve(config.host) if config.curve is None else config.curve
+                Credentials.from_secret(config.secret).secure_client(self._socket, curve)
             self._socket.connect(self.address)
-            self._send([PING], config.ready_timeout_s, "receiver did not become ready")
+            why = "receiver did not become ready (not up, or it refused this sender's secret)"
+            self._send([PING], config.ready_timeout_s, why)
         except BaseException:
             self.close()
             raise
@@ -178,6 +202,10 @@ class Receiver(Generic[T]):
     Threads: `get` from one thread at a time (a lock serialises callers); `stats()` and
     `close()` from any thread. `close` waits for an in-flight `get`, which notices it within
     `poll_interval_s`.
+
+    With `config.secret`, a ZAP handler thread (`auth.ConnectionGate`) checks every connection's
+    handshake; a refused one is counted in `unauthenticated` (logged at the 1st, 2nd, 4th, ...
+    so a flood cannot flood the log) and none of its messages is ever read.
     """
 
     def __init__(
@@ -193,28 +221,36 @@ class Receiver(Generic[T]):
         self._get_lock = threading.Lock()  # guards the socket: zmq sockets are not thread-safe
         self._stats_lock = threading.Lock()
         self._counts = {"received": 0, "rejected": 0, "bytes": 0, "pings": 0}
+        self._counts["unauthenticated"] = 0
         self._last_error: str | None = None
         self._failure: BaseException | None = None
         self._closed = False
         self._timeout_ms = -1  # libzmq's RCVTIMEO default: block
+        self._gate: ConnectionGate | None = None
         self._socket = self._bind()
 
     def _bind(self) -> zmq.Socket:
+        cfg = self.config
         sock = self._context.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, cfg.hwm)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, int(":" in self.config.host))
+        sock.setsockopt(zmq.IPV6, int(":" in cfg.host))
         # A frame over the limit makes libzmq drop that peer's connection before buffering it
         # (a memory guard); a well-behaved Sender with the same limit never sends one.
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        port = "*" if self.config.port == 0 else str(self.config.port)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        self.address = f"tcp://{_url_host(cfg.host)}:{'*' if cfg.port == 0 else cfg.port}"
+        curve = needs_curve(cfg.host) if cfg.curve is None else cfg.curve
         try:
-            sock.bind(f"tcp://{_url_host(self.config.host)}:{port}")
-        except zmq.ZMQError as e:
-            sock.close(linger=0)
-            if self._own_context:
-                self._context.term()
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}: {e}") from None
+            if cfg.secret is not None:  # the gate answers before any peer can handshake
+                credentials = Credentials.from_secret(cfg.secret)
+                credentials.secure_server(sock, curve)
+                self._gate = ConnectionGate(self._context, sock, credentials, self._refused)
+            sock.bind(self.address)
+        except (zmq.ZMQError, RuntimeError, ValueError) as e:
+            self._close_socket(sock)
+            if isinstance(e, zmq.ZMQError):
+                raise OSError(f"cannot bind {cfg.host}:{cfg.port}: {e}") from None
+            raise
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(self.address.rsplit(":", 1)[1])
         return sock
@@ -287,6 +323,15 @@ class Receiver(Generic[T]):
         self._count(nbytes, "received")
         return True, record
 
+    def _refused(self, reason: str) -> None:
+        """A handshake the gate refused (called from its thread)."""
+        with self._stats_lock:
+            self._counts["unauthenticated"] += 1
+            self._last_error = f"unauthenticated: {reason}"
+            count = self._counts["unauthenticated"]
+        if count & (count - 1) == 0:
+            log.warning("refused connection #%d on %s: %s", count, self.address, reason)
+
     def _count(self, nbytes: int, counter: str, error: str | None = None) -> None:
         with self._stats_lock:
             self._counts[counter] += 1
@@ -307,12 +352,22 @@ class Receiver(Generic[T]):
             log.warning("receiver %s: a get did not return within %ss", self.address, timeout_s)
             return
         try:
-            if not self._socket.closed:
-                self._socket.close(linger=0)
-            if self._own_context and not self._context.closed:
-                self._context.term()
+            self._close_socket(self._socket)
         finally:
             self._get_lock.release()
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        """Close `sock`, then the gate, then the context if it is ours (and nothing is left in
+        it: `term` waits for every socket of the context)."""
+        if not sock.closed:
+            sock.close(linger=0)
+        stopped = self._gate is None or self._gate.close()
+        if not stopped:
+            log.warning(
+                "receiver %s: the ZAP handler did not stop; context left open", self.address
+            )
+        if stopped and self._own_context and not self._context.closed:
+            self._context.term()
 
     def __enter__(self) -> Receiver[T]:
         return self

@@ -319,7 +319,7 @@ class WeightSender:
                     if t is mine:
                         culprits = self._culprits(calls, pending, str(exc))
                         raise self._fail(f"{what}: learner side failed ({culprits}): {exc}", mine)
-                    problem = getattr(exc, "problem", None) or repr(exc)
+                    problem = _describe(exc)
                     # An engine may refuse a bucket after taking part in the broadcast: let our
                     # own side finish, so the group counts as broken only if it really is.
                     await asyncio.wait({mine}, timeout=max(deadline - loop.time(), 0))
@@ -357,7 +357,23 @@ class WeightSender:
         async def one(e: WeightTarget) -> None:
             try:
                 await asyncio.wait_for(call(e), self.timeout_s)
-            except (RuntimeError, OSError, TimeoutError) as exc:  # the engine client's errors
-                raise WeightSyncError(f"{what} failed on engine {e.url}: {exc}") from None
+            except TimeoutError:  # asyncio's carries no message
+                raise WeightSyncError(
+                    f"{what} failed on engine {e.url}: no reply within {self.timeout_s:g}s"
+                ) from None
+            except Exception as exc:  # noqa: BLE001 - any failure of the engine, named
+                raise WeightSyncError(
+                    f"{what} failed on engine {e.url}: {_describe(exc)}"
+                ) from None
 
         await asyncio.gather(*(one(e) for e in self.engines))
+
+
+def _describe(exc: BaseException) -> str:
+    """What happened, never empty: the engine client's `problem`, else the exception's type
+    and the first line of its message."""
+    problem = getattr(exc, "problem", None)
+    if problem:
+        return str(problem)
+    text = str(exc).splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (no message)"

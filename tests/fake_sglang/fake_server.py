@@ -10,6 +10,9 @@ exactly like SGLang's `init_custom_process_group` (tcp rendezvous, `PrefixStore(
 torch's group helper) and receives buckets like SGLang's model runner: per tensor, or one
 unpadded uint8 `flattened_bucket` sliced per tensor and viewed as its dtype. What it received
 (sha256 per tensor per rank), its argv and its device visibility are at GET /_fake/state.
+With `--api-key K` every endpoint but /health* (and /_fake/state, the test's own) wants
+`Authorization: Bearer K`, else 401 {"error": "Unauthorized"} -- SGLang's middleware; the fake
+router's `--api-key` is what it sends to the workers, as sglang-router's.
 """
 
 from __future__ import annotations
@@ -253,7 +256,8 @@ class FakeSGLang:
                                   "received": self.received})  # fmt: skip
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024**3)
+        middlewares = [api_key_middleware(self.args.api_key)] if self.args.api_key else []
+        app = web.Application(client_max_size=1024**3, middlewares=middlewares)
         ok = web.Response
         app.router.add_get("/health_generate", lambda r: ok(status=200))
         app.router.add_get("/health", lambda r: ok(status=200))
@@ -273,6 +277,20 @@ class FakeSGLang:
         return app
 
 
+def api_key_middleware(api_key: str):
+    """SGLang's `add_api_key_middleware`: OPTIONS and /health* pass, the rest needs the key."""
+
+    @web.middleware
+    async def authentication(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/_fake/")):
+            return await handler(request)
+        if request.headers.get("Authorization") != "Bearer " + api_key:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return authentication
+
+
 def main_server() -> None:
     p = argparse.ArgumentParser("sglang.launch_server (fake)")
     p.add_argument("--model-path", required=True)
@@ -284,6 +302,7 @@ def main_server() -> None:
     p.add_argument("--context-length", type=int)
     p.add_argument("--dtype", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     p.add_argument("--random-seed", type=int)
+    p.add_argument("--api-key", type=str)
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--cuda-graph-bs", type=int, nargs="+")
     p.add_argument("--json-model-override-args", type=str, default="{}")
@@ -302,13 +321,16 @@ def main_router() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--balance-abs-threshold", type=int)
+    p.add_argument("--api-key", type=str)
     args = p.parse_args()
     turn = {"i": 0}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     async def proxy(request: web.Request) -> web.Response:
         url = args.worker_urls[turn["i"] % len(args.worker_urls)]
         turn["i"] += 1
-        async with ClientSession() as s, s.post(url + "/generate", data=await request.read()) as r:
+        body = await request.read()
+        async with ClientSession(headers=headers) as s, s.post(url + "/generate", data=body) as r:
             return web.Response(
                 status=r.status, body=await r.read(), content_type="application/json"
             )

@@ -10,6 +10,7 @@ by index selection; all-padding leading columns are trimmed.
 from __future__ import annotations
 
 import math
+import reprlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,6 @@ _NEUTRAL = {
     "repetition_penalty": (1.0, None),
     "frequency_penalty": (0.0, None),
     "presence_penalty": (0.0, None),
-    "min_p": (0.0, None),
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
@@ -38,31 +38,63 @@ _IGNORED = {
     "no_stop_trim",
     "stream_interval",
 }
+# SGLang's rule (SamplingParams.__post_init__): a temperature in [0, 1e-6) means greedy. Dividing
+# logits by a smaller positive number overflows them to inf and the sampler to NaN.
+GREEDY_BELOW = 1e-6
+# torch.Generator.manual_seed's range.
+SEED_RANGE = (-(2**63), 2**64)
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict = 40, 40, 2, 4, 4
 
 
 class RequestError(ValueError):
-    """A malformed generate request (answered with HTTP 400)."""
+    """A malformed request (answered with HTTP 400)."""
+
+
+def show(value: object) -> str:
+    """A short repr for error messages: bounded in length and depth, whatever the client sent."""
+    return _SHOW.repr(value)
+
+
+def is_neutral(value: object, allowed: tuple) -> bool:
+    """`value` is one of `allowed` (JSON's true is not 1, nor false 0)."""
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _num(d: dict, key: str, default: float) -> float:
+def _num(d: dict, key: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+    """`d[key]` as a finite float in [lo, hi] (lo excluded when `lo_open`); None: default."""
     v = d.get(key, default)
     if v is None:
         return default
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise RequestError(f"sampling_params.{key} must be a finite number, got {v!r}")
-    return float(v)
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and (lo < v if lo_open else lo <= v) and v <= hi:
+        return float(v)
+    span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    raise RequestError(f"sampling_params.{key} must be a number in {span}, got {show(v)}")
+
+
+def _int(d: dict, key: str, default: int | None, ok, expect: str) -> int | None:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not _is_int(v) or not ok(v):
+        raise RequestError(f"sampling_params.{key} must be {expect}, got {show(v)}")
+    return v
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling, checked with SGLang's ranges (`SamplingParams.verify`)."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     sampling_seed: int | None = None
@@ -72,35 +104,34 @@ class SamplingParams:
         if d is None:
             d = {}
         if not isinstance(d, dict):
-            raise RequestError("sampling_params must be an object")
+            raise RequestError(f"sampling_params must be an object, got {show(d)}")
         for key, value in d.items():
-            if key in _NEUTRAL and value not in _NEUTRAL[key]:
-                raise RequestError(f"sampling_params.{key}={value!r} is not supported here")
+            if key in _NEUTRAL and not is_neutral(value, _NEUTRAL[key]):
+                raise RequestError(f"sampling_params.{key}={show(value)} is not supported here")
             if key not in _NEUTRAL and key not in _IGNORED and key not in _FIELDS:
-                raise RequestError(f"unknown sampling_params key {key!r}")
-        mnt = d.get("max_new_tokens", 128)
-        if not _is_int(mnt) or mnt < 0:
-            raise RequestError(f"sampling_params.max_new_tokens must be an int >= 0, got {mnt!r}")
-        top_k = d.get("top_k", -1)
-        if not _is_int(top_k) or top_k == 0 or top_k < -1:
-            raise RequestError(f"sampling_params.top_k must be -1 or >= 1, got {top_k!r}")
+                raise RequestError(f"unknown sampling_params key {show(key)}")
         stop = d.get("stop_token_ids") or []
         if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
             raise RequestError("sampling_params.stop_token_ids must be a list of ints")
-        seed = d.get("sampling_seed")
-        if seed is not None and not _is_int(seed):
-            raise RequestError("sampling_params.sampling_seed must be an int")
-        temperature, top_p = _num(d, "temperature", 1.0), _num(d, "top_p", 1.0)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise RequestError("sampling_params: need temperature >= 0 and 0 < top_p <= 1")
+        ignore_eos = d.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool | None):
+            raise RequestError(f"sampling_params.ignore_eos must be a bool, got {show(ignore_eos)}")
+        temperature = _num(d, "temperature", 1.0, 0.0, math.inf, lo_open=False)
         return cls(
-            max_new_tokens=mnt,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            max_new_tokens=_int(d, "max_new_tokens", 128, lambda v: v >= 0, "an int >= 0"),
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            top_k=_int(d, "top_k", -1, lambda v: v == -1 or v >= 1, "-1 or an int >= 1"),
+            min_p=_num(d, "min_p", 0.0, 0.0, 1.0, lo_open=False),
             stop_token_ids=frozenset(stop),
-            ignore_eos=bool(d.get("ignore_eos", False)),
-            sampling_seed=seed,
+            ignore_eos=bool(ignore_eos),
+            sampling_seed=_int(
+                d,
+                "sampling_seed",
+                None,
+                lambda v: SEED_RANGE[0] <= v < SEED_RANGE[1],
+                "an int in [-2**63, 2**64)",
+            ),  # fmt: skip
         )
 
 
@@ -120,6 +151,7 @@ class Seq:
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[str] = field(default_factory=list)  # weight version per output token
     finish: dict | None = None
+    error: str | None = None  # set when the engine failed the request (answered as HTTP 500)
     generator: torch.Generator | None = None
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
@@ -188,39 +220,56 @@ def merge(a: KVBatch | None, b: KVBatch | None) -> KVBatch | None:
     )
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < scaled.numel():
-        kth = torch.topk(scaled, top_k).values[-1]
+def _filter(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Top-k, top-p and min-p masks on one row of temperature-scaled logits. The most likely
+    token always survives (SGLang's sampler too): a tiny top_p or a min_p of 1 means greedy,
+    never an empty distribution."""
+    if 0 < p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
+    if p.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # keep the token crossing top_p
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the token crossing top_p
+        drop[0] = False  # top_p below float32's resolution rounds to 0: keep the top token
         scaled = scaled.clone()
         scaled[order[drop]] = float("-inf")
+    if p.min_p > 0.0:  # prob < min_p * max prob, in logit space (the max survives the masks)
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
     return scaled
 
 
-def sample(logits: torch.Tensor, seqs: list[Seq]) -> tuple[list[int], list[float]]:
-    """Next token and its logprob per row.
+def sample(
+    logits: torch.Tensor, seqs: list[Seq]
+) -> tuple[list[int], list[float], list[str | None]]:
+    """Next token, its logprob and an error (None if fine) per row.
 
-    The logprob is `log_softmax(logits / temperature)` at the sampled token, top-k/top-p NOT
-    reflected (SGLang's convention); temperature 0 is greedy with the raw logits' logprob.
+    The logprob is `log_softmax(logits / temperature)` at the sampled token, top-k/top-p/min-p
+    NOT reflected (SGLang's convention); temperature 0 is greedy with the raw logits' logprob.
     Each request draws from its own generator, so its samples do not depend on batch mates.
+    A row whose logits hold NaN or +inf (or nothing finite) gets an error, not a token: one
+    broken row fails its own request only.
     """
     logits = logits.float().cpu()
+    broken = (logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)
     temps = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(1)
     scaled = logits / temps
     logp = torch.log_softmax(scaled, dim=-1)
     tokens: list[int] = []
+    errors: list[str | None] = []
     for i, s in enumerate(seqs):
-        p = s.params
-        if p.temperature == 0:
+        tok, err = 0, None
+        if broken[i]:
+            err = "the model produced non-finite logits"
+        elif s.params.temperature == 0:
             tok = int(torch.argmax(logits[i]))
         else:
-            filtered = _filter_top_k_top_p(scaled[i], p.top_k, p.top_p)
-            probs = torch.softmax(filtered, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=s.generator))
+            probs = torch.softmax(_filter(scaled[i], s.params), dim=-1)
+            try:
+                tok = int(torch.multinomial(probs, 1, generator=s.generator))
+            except RuntimeError as e:  # never expected after the checks above; fail the row
+                err = f"sampling failed: {str(e).splitlines()[0]}"
         tokens.append(tok)
+        errors.append(err)
     lps = [float(logp[i, t]) for i, t in enumerate(tokens)]
-    return tokens, lps
+    return tokens, lps, errors

@@ -17,6 +17,12 @@ finish_reason abort (partial output returned); `retract` drops the running rows'
 them back at the head of the queue with their partial tokens and logprobs kept (after
 continue they are re-prefilled from prompt + partial output and carry on); `in_place` just
 stops stepping (KV kept). In every mode new requests queue until `resume()`.
+
+No request takes the scheduler down: a step that raises fails the requests it was serving
+(prefill: the ones it admitted; decode: the running batch) with the error, drops their KV, and
+the scheduler goes on with the next step. A row whose logits are broken fails alone. Only an
+exception outside a step (a bug in the loop itself) stops the scheduler; then every request is
+failed, `alive` turns False and the server reports it (`/health`, `/health_generate`: 503).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ from asyncrl.engine.hf.batch import KVBatch, Seq, merge, sample
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler thread is not running: the engine cannot serve (answered with HTTP 503)."""
 
 
 class StepLock:
@@ -104,6 +114,8 @@ class HFEngine:
         self._seed_rng = random.Random(seed)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self.error: BaseException | None = None
+        self.step_failures = 0  # steps that raised (their requests failed, the engine went on)
+        self.last_step_ok = True
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:
@@ -124,9 +136,10 @@ class HFEngine:
         return self._paused
 
     def check(self, seq: Seq) -> None:
-        """Raise ValueError if the engine cannot serve `seq` (tokens, length, dead engine)."""
+        """Raise ValueError if the engine cannot serve `seq` (tokens, length), EngineDeadError
+        if the scheduler is not running."""
         if self.error is not None:
-            raise RuntimeError(f"engine scheduler died: {self.error}")
+            raise EngineDeadError(f"engine scheduler died: {_describe(self.error)}")
         bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids has token {bad[0]} outside vocab [0, {self.vocab_size})")
@@ -201,23 +214,43 @@ class HFEngine:
         try:
             while self._wait_for_work():
                 with self.step_lock.step():
-                    with self._cond:
-                        if self._paused:
-                            continue
-                        free = self.max_batch_size - (len(self._batch.seqs) if self._batch else 0)
-                        admit = [
-                            self._waiting.popleft() for _ in range(min(free, len(self._waiting)))
-                        ]
-                    with torch.inference_mode():
-                        if admit:
-                            self._batch = merge(self._batch, self._prefill(admit))
-                        if self._batch is not None:
-                            self._decode()
+                    self._step()
         except BaseException as e:  # a dead scheduler must fail requests, not hang them
             log.exception("hf engine scheduler died")
             self.error = e
             with self._cond:
-                self._abort_where(lambda s: True, f"engine error: {type(e).__name__}: {e}")
+                self._abort_where(lambda s: True, f"engine scheduler died: {_describe(e)}", True)
+
+    def _step(self) -> None:
+        """Admit waiting requests (prefill), then decode one token for the running batch. Each
+        half that raises fails only its own requests; the scheduler carries on."""
+        with self._cond:
+            if self._paused:
+                return
+            free = self.max_batch_size - (len(self._batch.seqs) if self._batch else 0)
+            admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        ok = True
+        with torch.inference_mode():
+            if admit:
+                try:
+                    self._batch = merge(self._batch, self._prefill(admit))
+                except Exception as e:  # the running batch is untouched: only `admit` fails
+                    ok = self._fail_step(admit, "prefill", e)
+            if self._batch is not None:
+                try:
+                    self._decode()
+                except Exception as e:  # the batch's KV may be half updated: drop it whole
+                    batch, self._batch = self._batch, None
+                    ok = self._fail_step(batch.seqs, "decode", e)
+        self.last_step_ok = ok
+
+    def _fail_step(self, seqs: list[Seq], what: str, e: Exception) -> bool:
+        log.exception("hf engine: %s step failed; failing its %d request(s)", what, len(seqs))
+        self.step_failures += 1
+        for s in seqs:
+            if s.finish is None:  # some may have finished within the step before it raised
+                self._fail(s, f"engine {what} step failed: {_describe(e)}")
+        return False
 
     def _wait_for_work(self) -> bool:
         with self._cond:
@@ -261,10 +294,13 @@ class HFEngine:
         self._batch = self._sample_and_retire(b, logits)
 
     def _sample_and_retire(self, b: KVBatch, logits: torch.Tensor) -> KVBatch | None:
-        tokens, lps = sample(logits, b.seqs)
+        tokens, lps, errors = sample(logits, b.seqs)
         b.last = torch.tensor(tokens, device=self.device)
         keep = []
-        for i, (s, tok, lp) in enumerate(zip(b.seqs, tokens, lps)):
+        for i, (s, tok, lp, err) in enumerate(zip(b.seqs, tokens, lps, errors)):
+            if err is not None:
+                self._fail(s, err)
+                continue
             s.output_ids.append(tok)
             s.logprobs.append(lp)
             s.token_versions.append(self.weight_version)
@@ -282,21 +318,31 @@ class HFEngine:
         return b.select(keep)
 
     # ---- helpers (caller holds step_lock and/or _cond as noted) ---------------------------
-    def _abort_where(self, pred, message: str) -> int:
-        """Caller holds `_cond` (and `step_lock` unless the scheduler thread is dead)."""
+    def _abort_where(self, pred, message: str, error: bool = False) -> int:
+        """Abort (`error`: fail) the matching requests. Caller holds `_cond` (and `step_lock`
+        unless the scheduler thread is dead)."""
+        end = self._fail if error else self._abort
         n = 0
         if self._batch is not None:
             keep = [i for i, s in enumerate(self._batch.seqs) if not pred(s)]
             for s in self._batch.seqs:
                 if pred(s):
-                    self._finish(s, {"type": "abort", "message": message})
+                    end(s, message)
                     n += 1
             self._batch = self._batch.select(keep)
         for s in [s for s in self._waiting if pred(s)]:
             self._waiting.remove(s)
-            self._finish(s, {"type": "abort", "message": message})
+            end(s, message)
             n += 1
         return n
+
+    def _abort(self, seq: Seq, message: str) -> None:
+        self._finish(seq, {"type": "abort", "message": message})
+
+    def _fail(self, seq: Seq, message: str) -> None:
+        """The engine could not serve `seq`: it ends with `message` as its error."""
+        seq.error = message
+        self._finish(seq, {"type": "abort", "message": message})
 
     def _finish(self, seq: Seq, reason: dict) -> None:
         seq.finish = reason
@@ -305,6 +351,14 @@ class HFEngine:
             seq.on_done(seq)
         except Exception:  # a broken callback must not kill the scheduler
             log.exception("on_done callback failed for %s", seq.rid)
+
+
+def _describe(e: BaseException | None) -> str:
+    """One line for an exception: its type and the first line of its message."""
+    if e is None:
+        return "stopped"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _eos_ids(model: torch.nn.Module) -> frozenset[int]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import SPECS
-from asyncrl.engine.process import EngineLaunchError, ServerHandle
+from asyncrl.engine.process import API_KEY_ENV, EngineLaunchError, ServerHandle, popen
 from asyncrl.net import free_port
 
 
@@ -30,10 +29,14 @@ def launch_hf_server(
     extra_args: Sequence[str] = (),
     timeout_s: float = 120.0,
     log_dir: str | os.PathLike | None = None,
+    api_key: str | None = None,
 ) -> ServerHandle:
     """Start `python -m asyncrl.engine.hf.server` and wait until /health_generate is 200.
 
-    Raises EngineLaunchError with the server's log tail if it exits or is not healthy in time.
+    `api_key`: the server then wants `Authorization: Bearer <api_key>` on every call but
+    /health*; it travels in the child's environment (ASYNCRL_API_KEY), never on its command
+    line. The server dies with this process (see `engine/process.py`). Raises EngineLaunchError
+    with the server's log tail if it exits or is not healthy in time.
     """
     port = port or free_port(host)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="asyncrl-hf-server-"))
@@ -41,8 +44,11 @@ def launch_hf_server(
     cmd = [sys.executable, "-m", "asyncrl.engine.hf.server", "--model-path", str(model_path)]
     cmd += ["--host", host, "--port", str(port), "--dtype", dtype]
     cmd += ["--max-batch-size", str(max_batch_size), "--seed", str(seed), *extra_args]
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # None: no auth, really
+    if api_key:
+        env[API_KEY_ENV] = api_key
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = popen(cmd, env, log)
     handle = ServerHandle(proc, f"http://{host}:{port}", log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -68,8 +74,16 @@ def launch_hf_server(
 class HFLauncher:
     """asyncrl's own transformers server (`hf_infer`): one CPU process per engine, loopback."""
 
-    def __init__(self, infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int) -> None:
+    def __init__(
+        self,
+        infer: WorkerConfig,
+        model_dir: Path,
+        log_dir: Path,
+        seed: int,
+        api_key: str | None = None,
+    ) -> None:
         self.infer, self.model_dir, self.log_dir, self.seed = infer, model_dir, log_dir, seed
+        self.api_key = api_key
         self.num_engines = max(1, len(infer.device_mapping) // infer.num_gpus_per_worker)
         self.tp_size = 1
         self.device = SPECS["cpu"]
@@ -84,6 +98,7 @@ class HFLauncher:
             seed=self.seed + index,
             log_dir=self.log_dir,
             timeout_s=180.0,
+            api_key=self.api_key,
         )
 
     def actor_urls(self, worker_urls: list[str]) -> list[str]:

@@ -1,23 +1,29 @@
 """asyncrl's own engine server: SGLang's native HTTP protocol (a subset) over a transformers LM.
 
-    python -m asyncrl.engine.hf.server --model-path P --port N --dtype fp32|bf16 \
-        [--host 127.0.0.1] [--max-batch-size B] [--seed S] [--device cpu]
+    ASYNCRL_API_KEY=K python -m asyncrl.engine.hf.server --model-path P --port N \
+        [--dtype fp32|bf16] [--host 127.0.0.1] [--max-batch-size B] [--seed S] [--device cpu]
 
 Same request/response shapes as SGLang, so `asyncrl.engine.client.EngineClient` drives this
 server and a real SGLang server with identical code. Token-in/token-out only: `text` is always
 "" and `text` inputs are refused. Blocking work (the scheduler, pause, weight receives) runs in
 threads; the aiohttp loop only parses, queues and answers. Bad input -> HTTP 400 with a one-line
-JSON error in SGLang's shape; the server never dies on a request. A client that hangs up
+JSON error in SGLang's shape (`protocol.py` checks every field); a request the engine failed
+-> 500 with its error, the others go on; a dead scheduler -> 503. A client that hangs up
 aborts its requests. `/health_generate` runs a one-token greedy probe when idle and answers 200
-without one while requests run or generation is paused (the model can generate on continue).
-`/get_load` answers SGLang's per-DP-rank list (one rank here), read between steps.
+without one while requests run (and the last step went well) or generation is paused (the model
+can generate on continue). `/get_load` answers SGLang's per-DP-rank list (one rank here).
+
+Authentication as SGLang's `--api-key`: with a key, every endpoint but `/health*` wants
+`Authorization: Bearer <key>` (else 401). The key comes from the environment variable
+ASYNCRL_API_KEY (removed from the environment once read, never logged; the launcher passes it
+so it never shows in `ps`) or from `--api-key` (visible in `ps`: for manual use).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import hmac
 import logging
 import os
 import sys
@@ -26,9 +32,11 @@ import uuid
 
 from aiohttp import web
 
-from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq
-from asyncrl.engine.hf.engine import PAUSE_MODES, HFEngine
+from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, show
+from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
+from asyncrl.engine.hf.protocol import field, group_init, parse_generate, read_json, version
 from asyncrl.engine.hf.weights import WeightReceiver
+from asyncrl.engine.process import API_KEY_ENV
 
 log = logging.getLogger("asyncrl.engine.hf.server")
 HEALTH_TIMEOUT_S = 20.0
@@ -39,6 +47,8 @@ UPDATE_LOCK = web.AppKey("update_lock", asyncio.Lock)
 
 
 def _error(status: int, message: str) -> web.Response:
+    message = " ".join(message.split())  # one line, whatever went into it
+    message = message[:500] + ("..." if len(message) > 500 else "")
     body = {"object": "error", "message": message, "type": str(status), "code": status}
     return web.json_response(body, status=status)
 
@@ -55,63 +65,34 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException:
         raise
     except (RequestError, ValueError, TypeError) as e:
-        return _error(400, f"{request.path}: {type(e).__name__}: {e}".splitlines()[0])
+        return _error(400, f"{request.path}: {type(e).__name__}: {e}")
+    except RecursionError:  # printing or parsing a deeply nested value
+        return _error(400, f"{request.path}: request nested too deeply")
+    except EngineDeadError as e:
+        return _error(503, f"{request.path}: {e}")
     except Exception as e:  # never take the server down for one request
         log.exception("unhandled error on %s", request.path)
         return _error(500, f"{request.path}: internal error: {type(e).__name__}: {e}")
 
 
+def _auth(api_key: str):
+    """SGLang's rule: every endpoint but /health* (and CORS preflights) needs the bearer key."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path.startswith("/health"):
+            return await handler(request)
+        sent = request.headers.get("Authorization", "").encode("utf-8", "replace")
+        if not hmac.compare_digest(sent, expected):
+            return _error(401, "Unauthorized: send the engine's key as 'Authorization: Bearer'")
+        return await handler(request)
+
+    return auth
+
+
 async def _body(request: web.Request, required: bool = True) -> dict:
-    raw = await request.read()
-    if not raw.strip():
-        if required:
-            raise RequestError("request body must be a JSON object")
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
-
-
-def _is_ids(x: object) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _per_item(value, n: int, batched: bool, name: str) -> list:
-    """SGLang batch bodies may give one value for all items or a list with one per item."""
-    if batched and isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for a batch of {n}")
-        return value
-    return [value] * n
-
-
-def _parse_generate(body: dict) -> tuple[list[Seq], bool]:
-    if "text" in body and body["text"] is not None:
-        raise RequestError("this server has no tokenizer: send input_ids, not text")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported by the hf server")
-    ids = body.get("input_ids")
-    batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-    prompts = ids if batched else [ids]
-    if ids is None or not prompts or not all(_is_ids(p) and p for p in prompts):
-        raise RequestError("input_ids must be a non-empty list of ints (or a list of such lists)")
-    n = len(prompts)
-    params = _per_item(body.get("sampling_params"), n, batched, "sampling_params")
-    rids = _per_item(body.get("rid"), n, batched, "rid")
-    logprob = _per_item(body.get("return_logprob", False), n, batched, "return_logprob")
-    start = body.get("logprob_start_len", -1)
-    if any(logprob) and start not in (-1, None):
-        raise RequestError("logprob_start_len >= 0 (input logprobs) is not supported here")
-    seqs = []
-    for i in range(n):
-        rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
-        sp = SamplingParams.from_json(params[i])
-        seqs.append(Seq(str(rid), list(prompts[i]), sp, _noop, return_logprob=bool(logprob[i])))
-    return seqs, batched
+    return read_json(await request.read(), required)
 
 
 def _noop(seq: Seq) -> None:
@@ -165,8 +146,11 @@ def _resolve(fut: asyncio.Future, seq: Seq) -> None:
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    seqs, batched = _parse_generate(await _body(request))
+    seqs, batched = parse_generate(await _body(request), _noop)
     await _run_seqs(engine, seqs)
+    failed = [s for s in seqs if s.error is not None]
+    if failed:  # the engine could not serve it (the scheduler went on with the others)
+        return _error(500, f"/generate: request {failed[0].rid}: {failed[0].error}")
     replies = [_reply(s) for s in seqs]
     return web.json_response(replies if batched else replies[0])
 
@@ -175,8 +159,8 @@ async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.alive:
         return web.Response(status=503, text="engine scheduler is not running\n")
-    if engine.paused or engine.num_requests() > 0:  # busy or paused: it can generate
-        return web.Response(status=200)
+    if engine.paused or (engine.num_requests() > 0 and engine.last_step_ok):
+        return web.Response(status=200)  # paused, or busy and stepping well: it can generate
     probe = Seq(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(1, 0.0), _noop)
     try:
         await asyncio.wait_for(_run_seqs(engine, [probe]), HEALTH_TIMEOUT_S)
@@ -191,9 +175,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    mode = (await _body(request, required=False)).get("mode", "abort")
+    mode = field(await _body(request, required=False), "mode", str, "abort")
     if mode not in PAUSE_MODES:
-        raise RequestError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        raise RequestError(f"unknown pause mode {show(mode)}; expected one of {PAUSE_MODES}")
     await asyncio.shield(asyncio.to_thread(request.app[ENGINE].pause, mode))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -211,10 +195,11 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     body = await _body(request, required=False)
-    rid = None if body.get("abort_all") else body.get("rid")
-    if rid is None and not body.get("abort_all"):
+    abort_all = field(body, "abort_all", bool, False)
+    rid = None if abort_all else field(body, "rid", str, None)
+    if rid is None and not abort_all:
         raise RequestError("abort_request needs rid or abort_all=true")
-    await asyncio.to_thread(request.app[ENGINE].abort, None if rid is None else str(rid))
+    await asyncio.to_thread(request.app[ENGINE].abort, rid)
     return web.Response(status=200)
 
 
@@ -234,12 +219,11 @@ async def get_weight_version(request: web.Request) -> web.Response:
 
 async def update_weight_version(request: web.Request) -> web.Response:
     body = await _body(request)
-    if "new_version" not in body:
-        raise RequestError("update_weight_version needs new_version")
+    new_version = version(body, "new_version", required=True)
     engine = request.app[ENGINE]
-    if body.get("abort_all_requests"):
+    if field(body, "abort_all_requests", bool, False):
         await asyncio.to_thread(engine.abort, None)
-    engine.weight_version = str(body["new_version"])
+    engine.weight_version = new_version
     msg = f"Weight version updated to {engine.weight_version}"
     return _ok(True, msg, new_version=engine.weight_version)
 
@@ -259,51 +243,36 @@ async def _locked_in_thread(app: web.Application, fn, *args):
     return await asyncio.shield(asyncio.ensure_future(locked()))
 
 
-def _fields(body: dict, spec: dict[str, type]) -> list:
-    out = []
-    for key, typ in spec.items():
-        if key not in body or not isinstance(body[key], typ) or isinstance(body[key], bool):
-            raise RequestError(f"field {key!r} missing or not {typ.__name__}")
-        out.append(body[key])
-    return out
-
-
 async def init_weights_update_group(request: web.Request) -> web.Response:
-    body = await _body(request)
-    spec = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int}
-    addr, port, offset, world = _fields(body, spec)
-    name, backend = str(body.get("group_name", "weight_update_group")), body.get("backend", "nccl")
-    timeout = float(body.get("timeout", request.app[INFO]["group_timeout_s"]))
-    receiver = request.app[RECEIVER]
-    args = (addr, port, offset, world, name, backend, timeout)
-    ok, msg = await _locked_in_thread(request.app, receiver.init_group, *args)
+    args = group_init(await _body(request), request.app[INFO]["group_timeout_s"])
+    ok, msg = await _locked_in_thread(request.app, request.app[RECEIVER].init_group, *args)
     return _ok(ok, msg)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
-    body = await _body(request)
-    name = str(body.get("group_name", "weight_update_group"))
+    name = field(await _body(request), "group_name", str, "weight_update_group")
     ok, msg = await _locked_in_thread(request.app, request.app[RECEIVER].destroy_group, name)
     return _ok(ok, msg)
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     body = await _body(request)
-    names, dtypes, shapes = _fields(body, {"names": list, "dtypes": list, "shapes": list})
-    group = str(body.get("group_name", "weight_update_group"))
-    fmt = body.get("load_format")
+    names, dtypes, shapes = (field(body, k, list) for k in ("names", "dtypes", "shapes"))
+    group = field(body, "group_name", str, "weight_update_group")
+    fmt = field(body, "load_format", str, None)
+    new_version = version(body, "weight_version", required=False)
     receiver, engine = request.app[RECEIVER], request.app[ENGINE]
     args = (names, dtypes, shapes, group, fmt)
     ok, msg = await _locked_in_thread(request.app, receiver.update, *args)
-    version = body.get("weight_version")
-    if ok and version is not None:
-        engine.weight_version = str(version)
+    if ok and new_version is not None:
+        engine.weight_version = new_version
         msg += f" Weight version updated to {engine.weight_version}."
     return _ok(ok, msg)
 
 
-def build_app(engine: HFEngine, info: dict) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024**2)
+def build_app(engine: HFEngine, info: dict, api_key: str | None = None) -> web.Application:
+    middlewares = [_auth(api_key), _errors] if api_key else [_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024**2)
     app[ENGINE], app[INFO] = engine, info
     app[RECEIVER] = WeightReceiver(engine)
     app[UPDATE_LOCK] = asyncio.Lock()
@@ -360,11 +329,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--group-timeout-s", type=float, default=600.0)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument(
+        "--api-key", default=None, help="shared secret (visible in ps; prefer ASYNCRL_API_KEY)"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # Read once and drop: nothing this process starts inherits the secret.
+    api_key = os.environ.pop(API_KEY_ENV, None) or args.api_key
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     engine = load_engine(args)
     engine.start()
@@ -379,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     try:
         web.run_app(
-            build_app(engine, info),
+            build_app(engine, info, api_key),
             host=args.host,
             port=args.port,
             print=None,

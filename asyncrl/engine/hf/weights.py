@@ -2,15 +2,15 @@
 
 Blocking methods; the HTTP server runs them in a worker thread while the endpoint awaits.
 A receive always takes part in the broadcast the sender started (when the metadata can be
-laid out at all), even if a name or shape is wrong: skipping it would stall the sender until
-its timeout. Validation happens before anything is received, so a rejected bucket leaves the
-model untouched; loading takes the engine's `step_lock` so it never interleaves with a step.
+laid out at all, within the model's own size), even if a name, shape or dtype is wrong:
+skipping it would stall the sender until its timeout.
 
-Per-tensor buckets whose names, shapes, dtypes and device all match are received straight into
-the parameters (no staging copy); anything else lands in staging memory and is copied in. A
-collective that fails half way may leave such a bucket half written, as a failed sync may
-leave the buckets before it (weights/sync.py): the group is dropped, the weight version is not
-bumped, and only a full sync on a new group serves a new version.
+Nothing reaches the model unchecked: every bucket (flattened or per tensor) lands in reused
+staging memory first; names, shapes and dtypes must match the model exactly (no silent casts)
+and floating values must be finite, or the whole bucket is refused naming the first bad tensor
+and the model is untouched. Only then is it copied in, under the engine's `step_lock`, so a
+load never interleaves with a step. A failed sync may leave the buckets before it loaded
+(weights/sync.py): the weight version is not bumped, and only a full sync serves a new one.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import logging
 
 import torch
 
+from asyncrl.engine.hf.batch import show
 from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,
+    dtype_name,
     flat_layout,
     parse_dtype,
     parse_shape,
@@ -42,6 +44,9 @@ class WeightReceiver:
         self.groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}
         # Host memory for flattened buckets, kept between syncs (see StagingBuffer).
         self.staging = StagingBuffer()
+        # The largest bucket a real sender can send: every parameter once (tied ones under each
+        # name), plus alignment. Anything bigger is refused before allocating a byte for it.
+        self.max_bucket_bytes = sum(p.numel() * p.element_size() + 8 for p in self.params.values())
 
     def init_group(
         self,
@@ -89,55 +94,57 @@ class WeightReceiver:
             tshapes = [parse_shape(s) for s in shapes]
         except BucketLayoutError as e:  # cannot size the buffers: cannot join the broadcast
             return False, f"bad bucket metadata: {e}"
+        total = flat_layout(tdtypes, tshapes)[1]
+        if total > self.max_bucket_bytes:  # no real bucket is bigger than the model itself
+            return False, f"bucket of {total} bytes exceeds the model's {self.max_bucket_bytes}"
         pg, backend = self.groups[group_name]
-        problem = self._check(names, tshapes)
         device = torch.device("cpu") if backend == "gloo" else self.engine.device
-        direct = None if problem or load_format else self._direct(names, tdtypes, device)
         try:
-            if direct is not None:  # straight into the parameters: no step may read them now
-                with self.engine.step_lock:
-                    broadcast(direct, pg, src=0)
-                return True, f"Succeeded to update {len(names)} parameters online."
-            tensors = self._receive(pg, tdtypes, tshapes, load_format, device)
+            tensors = self._receive(pg, tdtypes, tshapes, load_format, device, total)
         except GroupError as e:
             # A failed collective leaves the group unusable: drop it so a re-init can succeed.
             self.groups.pop(group_name, None)
             destroy_group(pg)
             return False, f"receive on group {group_name!r} failed (group dropped): {e}"
+        problem = self._check(names, tdtypes, tshapes) or _non_finite(names, tensors)
+        if problem is None:
+            with self.engine.step_lock, torch.no_grad():
+                for name, t in zip(names, tensors):
+                    self.params[name].copy_(t)
+        self.staging.finish()
         if problem:
             return False, f"bucket rejected, model unchanged: {problem}"
-        with self.engine.step_lock, torch.no_grad():
-            for name, t in zip(names, tensors):
-                self.params[name].copy_(t)
-        self.staging.finish()
         return True, f"Succeeded to update {len(names)} parameters online."
 
-    def _direct(self, names: list, dtypes: list, device: torch.device) -> list | None:
-        """The parameters themselves as receive buffers, when every one matches exactly."""
-        params = [self.params[n] for n in names]
-        if all(
-            p.dtype == d and p.device == device and p.is_contiguous()
-            for p, d in zip(params, dtypes)
-        ):
-            return [p.detach() for p in params]
-        return None
-
-    def _receive(self, pg, dtypes, shapes, load_format, device) -> list[torch.Tensor]:
-        if load_format == "flattened_bucket":
-            _, total = flat_layout(dtypes, shapes)
-            buf = self.staging.get(total, device)
-            broadcast([buf], pg, src=0)
-            return unflatten_bucket(buf, dtypes, shapes)
-        tensors = [torch.empty(s, dtype=d, device=device) for d, s in zip(dtypes, shapes)]
-        broadcast(tensors, pg, src=0)
+    def _receive(self, pg, dtypes, shapes, load_format, device, total) -> list[torch.Tensor]:
+        """The bucket's tensors as views into the staging buffer: one broadcast of the whole
+        buffer (flattened_bucket) or one per tensor, in order (the sender's two layouts)."""
+        buf = self.staging.get(total, device)
+        tensors = unflatten_bucket(buf, dtypes, shapes)
+        broadcast([buf] if load_format == "flattened_bucket" else tensors, pg, src=0)
         return tensors
 
-    def _check(self, names: list, shapes: list[tuple[int, ...]]) -> str | None:
+    def _check(self, names: list, dtypes: list, shapes: list[tuple[int, ...]]) -> str | None:
         unknown = [n for n in names if not isinstance(n, str) or n not in self.params]
         if unknown:
-            return f"{len(unknown)} unknown parameter name(s), first {unknown[0]!r}"
-        for name, shape in zip(names, shapes):
-            have = tuple(self.params[name].shape)
-            if have != shape:
-                return f"shape mismatch for {name!r}: sent {list(shape)}, model has {list(have)}"
+            return f"{len(unknown)} unknown parameter name(s), first {show(unknown[0])}"
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            param = self.params[name]
+            if tuple(param.shape) != shape:
+                return (
+                    f"shape mismatch for {name!r}: sent {list(shape)}, "
+                    f"model has {list(param.shape)}"
+                )
+            if param.dtype != dtype:
+                return f"dtype mismatch for {name!r}: sent {dtype_name(dtype)}, model has " + (
+                    dtype_name(param.dtype)
+                )
         return None
+
+
+def _non_finite(names: list, tensors: list[torch.Tensor]) -> str | None:
+    """The first tensor holding NaN or inf: loading it would poison every later sample."""
+    for name, t in zip(names, tensors):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"non-finite values (NaN or inf) in {name!r}"
+    return None

@@ -7,9 +7,10 @@ device id (the visibility variable, with Ray told not to override it). Every cal
 on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts of an
 export while rank 0 yields. One node; multi-node placement is not done here.
 
-The reference policy for the KL loss (`actor.use_kl_loss`; `reference.strategy_args:
-megatron_infer`) is a frozen copy with the same parallel layout, from `reference_path` when
-given, else the initial actor weights. Nothing here imports Megatron at module load.
+The reference policy for the KL loss (`actor.use_kl_loss`) is a frozen model with the actor's
+parallel layout and dtype: the `reference:` section's model (same architecture and vocabulary
+as the actor, see `asyncrl.learner.megatron.reference`), else the initial actor weights. Nothing
+here imports Megatron at module load.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.device import DeviceSpec, detect_device, device_spec
+from asyncrl.device import DeviceSpec, detect_device, device_spec, prepare_megatron_imports
+from asyncrl.learner.megatron.build import bridge_class
+from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.worker import MegatronWorker, require_megatron
 
 __all__ = ["MegatronLearner", "require_megatron"]
@@ -55,14 +58,18 @@ class MegatronLearner:
 
     def __init__(self, model_path: str | Path, train: Any, actor: Any, algorithm: Any,
                  temperature: float, total_steps: int, seed: int = 0,
-                 reference_path: str | Path | None = None,
-                 device: DeviceSpec | None = None) -> None:  # fmt: skip
-        require_megatron()
+                 reference: Any = None, device: DeviceSpec | None = None) -> None:  # fmt: skip
+        """`reference`: the `reference:` section (a WorkerConfig), None: the initial actor."""
         device = device or detect_device()
+        prepare_megatron_imports(device)  # MindSpeed before Megatron, on Ascend
+        require_megatron()
+        use_bridge = train.strategy_args.strategy_config.get("use_bridge", "auto")
+        # Refused here, before any rank process starts (every rank checks again).
+        megatron_reference(reference, model_path, train, actor, bridge_class(use_bridge) is None)
         mapping = list(train.device_mapping) or [0]
         kwargs = dict(model_path=str(model_path), train=train, actor=actor, algorithm=algorithm,
                       temperature=temperature, total_steps=total_steps, seed=seed,
-                      reference_path=reference_path)  # fmt: skip
+                      reference=reference)  # fmt: skip
         from asyncrl.net import free_port
 
         init_method = f"tcp://127.0.0.1:{free_port()}"

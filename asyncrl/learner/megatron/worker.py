@@ -7,8 +7,10 @@ With Megatron-Bridge installed (and `use_bridge` not false) `AutoBridge` builds 
 
 Step: the same as the torch learner (`asyncrl.learner.objective`), with logprobs from
 vocab-parallel cross-entropy over `logits / temperature` and Megatron's pipeline schedule
-driving micro-batches. Rows are split over data-parallel ranks; the proximal (and reference)
-logprobs of the whole batch are gathered so IS, rejection and batch normalisation see the batch.
+driving micro-batches. Every rank collates the whole batch and computes its batch-level
+advantages (REINFORCE++) before rows are split over data-parallel ranks; the proximal (and
+reference) logprobs of the whole batch are gathered so IS, rejection and batch normalisation
+see the batch.
 """
 
 from __future__ import annotations
@@ -43,8 +45,18 @@ from asyncrl.learner.megatron.build import (
     wrap,
 )
 from asyncrl.learner.megatron.name_mapping import ModelShape
+from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.weights import export_hf, export_with_bridge, load_hf_into, save_hf
-from asyncrl.learner.objective import correct, loss_params, lr_factor, micro_share, objective
+from asyncrl.learner.objective import (
+    advantage_metrics,
+    batch_advantages,
+    check_estimator,
+    correct,
+    loss_params,
+    lr_factor,
+    micro_share,
+    objective,
+)
 from asyncrl.types import collate
 
 
@@ -61,10 +73,15 @@ def require_megatron() -> None:
 class MegatronWorker:
     def __init__(self, model_path, train, actor, algorithm, temperature, total_steps, seed=0,
                  rank=0, world_size=1, init_method=None, device: DeviceSpec | None = None,
-                 local_device=0, reference_path=None) -> None:  # fmt: skip
+                 local_device=0, reference=None) -> None:  # fmt: skip
+        check_estimator(algorithm)  # a gae run fails before any process group or model
         self.device = device or detect_device()
         prepare_megatron_imports(self.device)  # MindSpeed before Megatron, on Ascend
         require_megatron()
+        self.sc = dict(train.strategy_args.strategy_config)
+        self.auto_bridge = bridge_class(self.sc.get("use_bridge", "auto"))
+        # Likewise a reference section the learner cannot honour (see .reference).
+        spec = megatron_reference(reference, model_path, train, actor, self.auto_bridge is None)
         self.model_path, self.train, self.actor = Path(model_path), train, actor
         self.algorithm, self.temperature, self.version, self.lr_step = algorithm, temperature, 0, 0
         self.lr_factor = lr_factor(train.training_args, actor.optim, total_steps)
@@ -73,9 +90,7 @@ class MegatronWorker:
         init_distributed(self.device, rank, world_size, init_method, local_device)
         hf = json.loads((self.model_path / "config.json").read_text())
         self.vocab_size = hf["vocab_size"]
-        self.sc = dict(train.strategy_args.strategy_config)
         check_options(self.sc)
-        self.auto_bridge = bridge_class(self.sc.get("use_bridge", "auto"))
         tp = int(self.sc.get("tensor_model_parallel_size") or 1)
         self.shape = None
         if self.auto_bridge is None:
@@ -85,9 +100,10 @@ class MegatronWorker:
         init_parallel(self.plan, seed)
         self.built = self._build(self.model_path, trainable=True)
         self.reference = None
-        if actor.use_kl_loss:  # the reference policy (megatron_infer): frozen, same layout
-            ref_path = Path(reference_path or model_path)
+        if actor.use_kl_loss:  # the reference policy: frozen, the actor's layout and dtype
+            ref_path = spec.path if spec is not None else self.model_path
             self.reference = self._build(ref_path, trainable=False).model
+        self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
         self.ddp, self.optimizer, self.config = wrap(self.built, self.plan)
         from transformers import AutoTokenizer
 
@@ -179,12 +195,13 @@ class MegatronWorker:
         )  # fmt: skip
 
     @torch.no_grad()
-    def _batched_logprobs(self, model, data: dict) -> torch.Tensor | None:
-        """Logprobs of every row of the batch (each DP rank scores its shard, then gather)."""
+    def _batched_logprobs(self, model, data: dict, batch_size: int) -> torch.Tensor | None:
+        """Logprobs of every row of the batch (each DP rank scores its shard, `batch_size`
+        rows a pass, then gather)."""
         dp, dp_rank, last = self._ranks()
         rows = data["tokens"].shape[0]
         mine = shard_rows(rows, dp, dp_rank).to(data["tokens"].device)
-        micro = micro_batches(mine, self.train.infer_batch_size) or [mine[:0]]
+        micro = micro_batches(mine, batch_size) or [mine[:0]]
 
         def loss_of(idx, logits):
             lp, _ = self._token_logprobs(logits, data, idx, entropy=False)
@@ -211,15 +228,17 @@ class MegatronWorker:
     def logprobs(self, groups: list) -> torch.Tensor | None:
         """Per-token logprobs [B, R] under the current policy, rows in group-id order (on the
         last pipeline stage; None on the others)."""
-        return self._batched_logprobs(self.ddp, self._data(groups))
+        return self._batched_logprobs(self.ddp, self._data(groups), self.train.infer_batch_size)
 
     def step(self, groups: list) -> dict[str, float]:
         start = time.perf_counter()
         data = self._data(groups)
+        data["advantages"] = batch_advantages(self.algorithm, data)  # whole batch, every rank
         prep, metrics = self._prepare(data)
         metrics.update(self._optimise(data, prep))
         self.version += 1
         metrics.update({
+            **advantage_metrics(data["advantages"], data["response_mask"]),
             "learner/step_seconds": time.perf_counter() - start,
             "learner/lr": self.train.training_args.learning_rate * self.lr_factor(self.lr_step),
             "learner/tokens": float(data["response_mask"].sum()),
@@ -231,8 +250,10 @@ class MegatronWorker:
         alg = self.algorithm
         recomputed = None
         if alg.correction_mode == "decoupled":
-            recomputed = self._batched_logprobs(self.ddp, data)
-        ref = self._batched_logprobs(self.reference, data) if self.reference is not None else None
+            recomputed = self._batched_logprobs(self.ddp, data, self.train.infer_batch_size)
+        ref = None
+        if self.reference is not None:
+            ref = self._batched_logprobs(self.reference, data, self.reference_batch_size)
         if not self._ranks()[2]:
             return None, {}
         rollout, mask = data["rollout_logprobs"], data["response_mask"]
@@ -293,19 +314,20 @@ class MegatronWorker:
         rows["rollout_logprobs"] = data["rollout_logprobs"][idx]
         loss, metrics = objective(actor, self.loss_fn, self.loss_params, lp, ent, rows)
         share = micro_share(actor.loss_agg_mode, rows["mask"], len(idx), totals)
-        metrics["_rows"] = float(len(idx))
+        # A rank with no rows runs one zero-weighted pass (scale 0): its metrics weigh nothing.
+        metrics["_share"] = float(share) if scale else 0.0
         return loss * share * scale, metrics
 
     def _mean_metrics(self, outs: list) -> dict[str, float]:
-        """Row-weighted mean over micro-batches, then over DP ranks."""
+        """Metrics weighed like the loss, as the torch learner does: each micro-batch by its
+        share of the whole mini-batch (tokens or sequences over every DP rank), summed over
+        micro-batches and DP ranks; so they do not depend on how rows are split."""
         from megatron.core import parallel_state as ps
 
-        keys = sorted(k for k in outs[0] if k != "_rows")
-        total = sum(o["_rows"] for o in outs)
-        vals = torch.tensor([sum(o[k] * o["_rows"] for o in outs) / total for k in keys],
+        keys = sorted(k for k in outs[0] if k != "_share")
+        vals = torch.tensor([sum(o[k] * o["_share"] for o in outs) for k in keys],
                             dtype=torch.float64, device=torch.cuda.current_device())  # fmt: skip
         torch.distributed.all_reduce(vals, group=ps.get_data_parallel_group())
-        vals /= ps.get_data_parallel_world_size()
         return dict(zip(keys, vals.tolist(), strict=True))
 
     # -- weights and state -------------------------------------------------------------------

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.learner.objective import check_estimator
+from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch.learner import TorchLearner
 from asyncrl.net import free_port
 
@@ -35,7 +37,8 @@ class _RemoteRank:
 
 
 class DistributedTorchLearner:
-    """`Learner` over W data-parallel processes; behaves like one TorchLearner to the loop."""
+    """`Learner` over W data-parallel processes; behaves like one TorchLearner to the loop.
+    `kwargs` are TorchLearner's (`reference` included: every rank loads its own frozen copy)."""
 
     def __init__(self, world_size: int, **kwargs: Any) -> None:
         import ray
@@ -44,6 +47,11 @@ class DistributedTorchLearner:
 
         if world_size < 2:
             raise ValueError("DistributedTorchLearner needs world_size >= 2")
+        check_estimator(kwargs["algorithm"])  # before any rank process starts
+        reference_spec(  # likewise: a reference of another vocabulary fails here, once
+            kwargs.get("reference"), kwargs["model_path"], kwargs["train"],
+            kwargs["actor"].use_kl_loss,
+        )  # fmt: skip
         init_ray()
         self._ray = ray
         host = "127.0.0.1"

@@ -1,8 +1,9 @@
 """The plain-PyTorch learner (`fsdp2_train`): the CPU default, also runs on one CUDA device.
 
-One `step` = one rollout batch: recompute the proximal logprobs (decoupled) or take the
-rollout ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → `ppo_epochs`
-passes of mini-batches, each one optimizer step accumulated over micro-batches → version += 1.
+One `step` = one rollout batch: the batch-level advantages (REINFORCE++, on the whole batch
+before any row is sharded) → recompute the proximal logprobs (decoupled) or take the rollout
+ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → `ppo_epochs` passes
+of mini-batches, each one optimizer step accumulated over micro-batches → version += 1.
 """
 
 from __future__ import annotations
@@ -20,14 +21,26 @@ from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.learner.logprobs import batched_logprobs, select_rows, token_logprobs
-from asyncrl.learner.objective import correct, loss_params, lr_factor, micro_share, objective
+from asyncrl.learner.objective import (
+    advantage_metrics,
+    batch_advantages,
+    check_estimator,
+    correct,
+    loss_params,
+    lr_factor,
+    micro_share,
+    objective,
+)
+from asyncrl.learner.reference import ReferenceSpec, reference_spec
 from asyncrl.types import TrajectoryGroup, collate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TorchLearner:
-    """`Learner` over a transformers causal LM. Receives only its own sub-configs."""
+    """`Learner` over a transformers causal LM. Receives only its own sub-configs:
+    `actor_train` (`train`), `actor`, `algorithm`, and `reference` (the KL reference policy's
+    section; None: a frozen copy of the initial actor, see `asyncrl.learner.reference`)."""
 
     def __init__(
         self,
@@ -41,20 +54,30 @@ class TorchLearner:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        reference: WorkerConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        check_estimator(algorithm)  # before the model loads: a gae run fails at once
+        # Likewise a reference section that cannot be honoured (vocabulary, devices).
+        self.reference_spec = reference_spec(reference, model_path, train, actor.use_kl_loss)
         torch.manual_seed(seed)
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
         self.rank, self.world_size = rank, world_size
         dtype = DTYPES[train.model_args.dtype or "fp32"]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        attn = {"attn_implementation": a} if (a := train.model_args.attn_implementation) else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn)
+        self.model.to(device)
         if not train.model_args.disable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed it; the old name (all that 4.x has) warns there
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            (enable or self.model.gradient_checkpointing_enable)()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.reference = self._frozen_copy() if actor.use_kl_loss else None
+        self.reference = self._make_reference() if actor.use_kl_loss else None
+        spec = self.reference_spec
+        self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
         # Data parallel: every rank holds a replica; DDP all-reduces (averages) the gradients.
         # The default process group must already exist (see asyncrl.learner.torch.distributed).
         self.train_model: torch.nn.Module = self.model
@@ -70,11 +93,19 @@ class TorchLearner:
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
 
     # -- construction helpers ----------------------------------------------------------------
-    def _frozen_copy(self) -> torch.nn.Module:
-        ref = copy.deepcopy(self.model).eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        return ref
+    def _make_reference(self) -> torch.nn.Module:
+        """The KL reference policy (see `asyncrl.learner.reference`): the configured model in
+        its dtype (null: the actor's), else a copy of the initial actor; frozen, in eval mode."""
+        spec: ReferenceSpec | None = self.reference_spec
+        if spec is None:
+            return _frozen(copy.deepcopy(self.model))
+        from transformers import AutoModelForCausalLM
+
+        # Every strategy name (fsdp2_train, hf_infer, megatron_infer) scores the same HF model
+        # directory; here it is a transformers model in this process, on the learner's device.
+        dtype = DTYPES[spec.dtype] if spec.dtype else self.model.dtype
+        ref = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+        return _frozen(ref.to(self.device))
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         targs, optim = self.train.training_args, self.actor.optim
@@ -99,6 +130,9 @@ class TorchLearner:
         groups = sorted(groups, key=lambda g: g.group_id)
         data = collate(groups, self.pad_id).to_torch(self.device)
         data["response_mask"] = data["response_mask"].float()
+        # Batch-level advantages see every row of the batch: computed before any sharding.
+        data["advantages"] = batch_advantages(self.algorithm, data)
+        adv_metrics = advantage_metrics(data["advantages"], data["response_mask"])
         total_rows = data["input_ids"].shape[0]
         if self.world_size > 1:  # this rank's shard: global row r lives on rank r % world
             data = select_rows(data, torch.arange(self.rank, total_rows, self.world_size))
@@ -108,6 +142,7 @@ class TorchLearner:
         self.version += 1
         metrics.update(
             {
+                **adv_metrics,
                 "learner/step_seconds": time.perf_counter() - start,
                 "learner/lr": self.scheduler.get_last_lr()[0],
                 "learner/tokens": float(data["response_mask"].sum()),
@@ -130,7 +165,9 @@ class TorchLearner:
         weights, mask, metrics = correct(alg, self.actor.policy_loss.loss_mode, old, rollout, mask)
         ref = None
         if self.reference is not None:
-            ref = batched_logprobs(self.reference, data, self.temperature, infer_bs)
+            ref = batched_logprobs(
+                self.reference, data, self.temperature, self.reference_batch_size
+            )
         return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
 
     def _optimise(
@@ -247,8 +284,15 @@ class TorchLearner:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
-            "reference": self.reference.state_dict() if self.reference is not None else None,
+            "reference": self._reference_state(),
         }
+
+    def _reference_state(self) -> dict[str, Any] | None:
+        """The frozen initial actor must be saved (training overwrites its source); a configured
+        reference is reloaded from its own model directory instead."""
+        if self.reference is None or self.reference_spec is not None:
+            return None
+        return self.reference.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "model" in state:
@@ -257,6 +301,16 @@ class TorchLearner:
             self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.reference is not None and state.get("reference") is not None:
+        # A configured reference comes from its model directory, whatever a checkpoint holds.
+        frozen_copy = self.reference is not None and self.reference_spec is None
+        if frozen_copy and state.get("reference") is not None:
             self.reference.load_state_dict(state["reference"])
         self.version = int(state.get("version", self.version))
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in eval mode with every parameter frozen (the KL reference never trains)."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
