@@ -6,8 +6,8 @@ three questions without hiding a thread: `take_batch` (fail loudly, never hang; 
 engines on the way), `sync_weights` (heal and re-sync when an engine died mid-sync), and
 `state_dict` (the prompts in flight, re-issued on resume).
 
-The receive side trusts nothing it has not checked: the receiver drops messages without the
-run's MAC, the codec decodes only well-formed groups, and the pump (`check_group`) refuses a
+The receive side trusts nothing it has not checked: the receiver reads only connections that
+proved the run's secret (ZAP), the codec decodes only well-formed groups, and the pump (`check_group`) refuses a
 group whose metadata breaks asyncrl's types, whose token ids fall outside the model's
 vocabulary, or whose tokens claim a policy version the learner has not reached yet. A refused
 group is counted and logged in one line; the pump never dies on one.
@@ -35,6 +35,9 @@ from asyncrl.types import TrajectoryGroup
 from asyncrl.weights.sync import WeightSource, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+#: How long a failed weight sync waits for the engine that broke it to be seen dead.
+ENGINE_EXIT_GRACE_S = 5.0
 
 
 def resolve_model(model_args: ModelArgs) -> Path:
@@ -208,8 +211,8 @@ class GroupPump:
             out += f"; groups refused: {self.counters['rejected_groups']}"
             out += f" (last: {self.last_rejection})"
         if stats.rejected or stats.unauthenticated:
-            out += f"; messages dropped: {stats.rejected} undecodable, "
-            out += f"{stats.unauthenticated} unauthenticated (last: {stats.last_error})"
+            out += f"; messages dropped: {stats.rejected} undecodable; "
+            out += f"connections refused: {stats.unauthenticated} (last: {stats.last_error})"
         return out
 
 
@@ -247,8 +250,13 @@ class Orchestrator:
         try:
             return self.fleet.sync(self.learner)
         except WeightSyncError:
-            if not self.fleet.heal(self.learner):
-                raise
+            deadline = time.monotonic() + ENGINE_EXIT_GRACE_S
+            while not self.fleet.heal(self.learner):
+                # An engine killed mid-sync closes its sockets before the kernel reports its
+                # process gone: give a dying engine a moment to be seen dead.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
             return dict(self.fleet.last_sync)
 
     def metrics(self) -> dict[str, float]:

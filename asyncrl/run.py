@@ -113,7 +113,7 @@ def start_rollout(
     receiver = Receiver(
         ReceiverConfig(host=ro.transport_host, port=ro.transport_port, secret=transport_secret)
     )
-    _stop_later(stack, receiver.close)  # a ZMQ PULL socket, read by the pump; a ZAP thread
+    _stop_later(stack, receiver.close)  # PULL socket, read by the pump; thread asyncrl-zap
     fleet = EngineFleet(
         cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, model_dir, Path(cfg.output_dir),
         seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
@@ -150,7 +150,7 @@ def rollout_settings(
     engine_api_key: str | None = None,
 ) -> RolloutSettings:
     """A rollout worker's own sub-config: the run config's sections, passed whole, and the
-    run's secrets (the transport's MAC key, the engines' API key; None: none)."""
+    run's secrets (the transport's secret, the engines' API key; None: none)."""
     host = cfg.rollout.transport_host
     return RolloutSettings(
         engine_urls=engine_urls,

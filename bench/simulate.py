@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import os
 import queue
+import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -79,7 +80,9 @@ class Workload:
 class SimPool:
     """The dispatcher's `WorkerPool`: simulated actors as tasks on one event-loop thread."""
 
-    def __init__(self, actors: int, cal: Calibration, work: Workload, port: int, seed: int):
+    def __init__(
+        self, actors: int, cal: Calibration, work: Workload, port: int, seed: int, secret: bytes
+    ) -> None:
         self.actors, self.cal, self.work = actors, cal, work
         self.version = 0  # the learner's; a group is tagged with it when it starts
         self.done: queue.Queue = queue.Queue()
@@ -92,7 +95,7 @@ class SimPool:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="sim")
         self.thread.start()
-        config = SenderConfig(port=port, hwm=1024, send_timeout_s=60.0)
+        config = SenderConfig(port=port, hwm=1024, send_timeout_s=60.0, secret=secret)
         make = lambda: [Sender(config, self._ctx) for _ in range(actors)]  # noqa: E731
         self.senders = asyncio.run_coroutine_threadsafe(_call(make), self.loop).result(120)
 
@@ -179,8 +182,9 @@ def _thread_cpu(native_ids: dict[str, int]) -> dict[str, float]:
 
 def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> dict[str, Any]:
     replay = ReplayQueue(ReplayConfig(work.max_staleness, work.batch))
-    receiver = Receiver(ReceiverConfig(hwm=1024))
-    pool = SimPool(actors, cal, work, receiver.port, seed)
+    secret = secrets.token_bytes(32)  # as a run: every actor's connection proves it (PLAIN)
+    receiver = Receiver(ReceiverConfig(hwm=1024, secret=secret))
+    pool = SimPool(actors, cal, work, receiver.port, seed, secret)
     counter = itertools.count()
     next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=[0])  # noqa: E731
     dispatcher = Dispatcher(pool, replay, next_prompt, work.inflight)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from asyncrl.transport.auth import Credentials
+from asyncrl.transport.auth import Credentials, needs_curve
 from asyncrl.transport.codec import EncodeError, decode_group, encode_group
 from asyncrl.transport.zmq import (
     PING,
@@ -315,3 +315,27 @@ def _raw_attackers(curve: bool) -> dict[str, zmq.Socket]:
     out["the other mechanism"] = ctx.socket(zmq.PUSH)
     made_up.secure_client(out["the other mechanism"], not curve)
     return out
+
+
+def test_curve_unless_the_receiver_binds_loopback() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert not needs_curve(host), host  # PLAIN: its password only crosses loopback
+    for host in ("0.0.0.0", "*", "::", "10.1.2.3", "192.168.0.7", "node-3.cluster"):
+        assert needs_curve(host), host  # a routable network: CURVE (authenticated, encrypted)
+
+
+@pytest.mark.parametrize(
+    ("curve", "why"), [(False, "wrong user or password"), (True, "unknown client key")]
+)
+def test_the_refusal_names_the_reason_and_the_peer(curve: bool, why: str) -> None:
+    secret = secrets.token_bytes(32)
+    with Receiver(ReceiverConfig(secret=secret, curve=curve)) as rx:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        Credentials.from_secret(secrets.token_bytes(32)).secure_client(sock, curve)
+        if curve:  # it knows the receiver's public key, not the run's client key
+            sock.curve_serverkey = Credentials.from_secret(secret).server_public
+        sock.connect(rx.address)
+        _wait_for(lambda: rx.stats().unauthenticated, "the refusal")
+        sock.close(linger=0)
+        stats = rx.stats()
+    assert stats.last_error == f"unauthenticated: credentials refused: {why} (peer 127.0.0.1)"

@@ -8,9 +8,11 @@ and, through the rollout workers' settings, to every sender. A connection is let
 ZMTP handshake proves the secret; libzmq reads no message of a connection whose handshake did
 not succeed, so a process without the secret can deliver nothing, not even a READY ping.
 
-Why per connection, not per message: an HMAC frame on every message cost 12-125 us per side
-per group (1k-16k tokens) and took the channel from ~0.6-0.95x raw ZMQ to ~0.4-0.5x (measured,
-`asyncrl bench transport`); a handshake costs once per connection.
+Why per connection, not per message: an HMAC-SHA256 frame on every message (12-125 us per side
+per group) held codec+ZMQ to ~0.45/0.38/0.55x raw ZMQ at 1k/4k/16k-token groups; with PLAIN,
+nothing per message, the same runs measured ~0.66/0.57/0.78x, as without authentication, and
+CURVE ~0.41/0.42/0.47x (`asyncrl bench transport --skip-ray`, medians of 4 runs on a shared
+2-core box). A handshake costs once per connection.
 
 The mechanism follows the receiver's bind address (`needs_curve`):
 - loopback: PLAIN. The password (derived from the secret) crosses loopback once per

@@ -5,11 +5,15 @@ A receive always takes part in the broadcast the sender started (when the metada
 laid out at all, within the model's own size), even if a name, shape or dtype is wrong:
 skipping it would stall the sender until its timeout.
 
-Nothing reaches the model unchecked: every bucket (flattened or per tensor) lands in reused
-staging memory first; names, shapes and dtypes must match the model exactly (no silent casts)
-and floating values must be finite, or the whole bucket is refused naming the first bad tensor
-and the model is untouched. Only then is it copied in, under the engine's `step_lock`, so a
-load never interleaves with a step. A failed sync may leave the buckets before it loaded
+Nothing reaches the model unchecked: every bucket lands in memory of its own first (a
+flattened bucket in reused staging memory; per-tensor buckets in one shadow tensor per
+parameter); names, shapes and dtypes must match the model exactly (no silent casts) and
+floating values must be finite, or the whole bucket is refused naming the first bad tensor and
+the model is untouched. Only then is it loaded, under the engine's `step_lock`, so a load never
+interleaves with a step: a flattened bucket is copied in; a per-tensor one is swapped in (the
+parameter takes the shadow's storage and its old storage becomes the shadow), so the per-tensor
+path (gloo's default for large tensors) costs no copy, at the price of a second copy of the
+weights in memory once it is used. A failed sync may leave the buckets before it loaded
 (weights/sync.py): the weight version is not bumped, and only a full sync serves a new one.
 """
 
@@ -44,6 +48,8 @@ class WeightReceiver:
         self.groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}
         # Host memory for flattened buckets, kept between syncs (see StagingBuffer).
         self.staging = StagingBuffer()
+        # Per-tensor buckets: one receive buffer per parameter name, swapped with the parameter.
+        self.shadows: dict[str, torch.Tensor] = {}
         # The largest bucket a real sender can send: every parameter once (tied ones under each
         # name), plus alignment. Anything bigger is refused before allocating a byte for it.
         self.max_bucket_bytes = sum(p.numel() * p.element_size() + 8 for p in self.params.values())
@@ -99,8 +105,15 @@ class WeightReceiver:
             return False, f"bucket of {total} bytes exceeds the model's {self.max_bucket_bytes}"
         pg, backend = self.groups[group_name]
         device = torch.device("cpu") if backend == "gloo" else self.engine.device
+        # Swap-in needs known names and the receive device to be the parameters' own.
+        per_tensor = load_format is None and self._check(names, tdtypes, tshapes) is None
+        per_tensor = per_tensor and all(self.params[n].device == device for n in names)
         try:
-            tensors = self._receive(pg, tdtypes, tshapes, load_format, device, total)
+            if per_tensor:
+                tensors = [self._shadow(n, device) for n in names]
+                broadcast(tensors, pg, src=0)
+            else:
+                tensors = self._receive(pg, tdtypes, tshapes, load_format, device, total)
         except GroupError as e:
             # A failed collective leaves the group unusable: drop it so a re-init can succeed.
             self.groups.pop(group_name, None)
@@ -110,11 +123,23 @@ class WeightReceiver:
         if problem is None:
             with self.engine.step_lock, torch.no_grad():
                 for name, t in zip(names, tensors):
-                    self.params[name].copy_(t)
+                    if per_tensor:  # swap storages: the old weights become the next buffer
+                        param = self.params[name]
+                        self.shadows[name], param.data = param.data, t
+                    else:
+                        self.params[name].copy_(t)
         self.staging.finish()
         if problem:
             return False, f"bucket rejected, model unchanged: {problem}"
         return True, f"Succeeded to update {len(names)} parameters online."
+
+    def _shadow(self, name: str, device: torch.device) -> torch.Tensor:
+        """The receive buffer of parameter `name` (its shape, dtype and device)."""
+        param = self.params[name]
+        buf = self.shadows.get(name)
+        if buf is None or buf.device != device:
+            buf = self.shadows[name] = torch.empty_like(param, device=device)
+        return buf
 
     def _receive(self, pg, dtypes, shapes, load_format, device, total) -> list[torch.Tensor]:
         """The bucket's tensors as views into the staging buffer: one broadcast of the whole
@@ -143,8 +168,12 @@ class WeightReceiver:
 
 
 def _non_finite(names: list, tensors: list[torch.Tensor]) -> str | None:
-    """The first tensor holding NaN or inf: loading it would poison every later sample."""
+    """The first tensor holding NaN or inf: loading it would poison every later sample.
+
+    One reduction per tensor, no mask allocated: a NaN or inf anywhere makes the fp32 sum
+    non-finite. (Finite weights large enough to overflow that sum, |w| ~ 1e30, are refused
+    too: they would overflow the forward pass anyway.)"""
     for name, t in zip(names, tensors):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not bool(torch.isfinite(t.sum(dtype=torch.float32))):
             return f"non-finite values (NaN or inf) in {name!r}"
     return None
