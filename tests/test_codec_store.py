@@ -6,6 +6,7 @@ format itself, not only the round trip.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import msgpack
@@ -23,7 +24,8 @@ from asyncrl.transport.codec import (
     encode_group,
 )
 from asyncrl.transport.stored import group_from_bytes, group_to_bytes
-from asyncrl.types import NOT_GENERATED, TrajectoryGroup
+from asyncrl.types import TrajectoryGroup
+from tests.test_codec import make_group
 
 MAGIC = b"ARLGRP\x00\x01"
 
@@ -36,23 +38,8 @@ def _pack(frames: list) -> bytes:
 
 
 def _group(n: int = 3, seed: int = 0, advantages: bool = False, **kw: object) -> TrajectoryGroup:
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, 6, n)
-    total = int(lengths.sum())
-    mask = rng.integers(0, 2, total)
-    return TrajectoryGroup(
-        group_id=f"g{seed}",
-        prompt_ids=rng.integers(0, 1000, 5),
-        response_lengths=lengths,
-        response_ids=rng.integers(0, 1000, total),
-        rollout_logprobs=-rng.random(total),
-        loss_mask=mask,
-        versions=np.where(mask == 1, 3, NOT_GENERATED),
-        rewards=rng.random(n),
-        finish_reasons=["stop"] * n,
-        advantages=rng.standard_normal(total) if advantages else None,
-        **kw,  # type: ignore[arg-type]
-    )
+    """test_codec's group without its metadata, unless `kw` gives fields."""
+    return dataclasses.replace(make_group(n, seed, advantages), **{"metadata": {}, **kw})
 
 
 def _empty_responses() -> TrajectoryGroup:

@@ -551,13 +551,13 @@ def test_batch_normalize_at_sequence_levels_divides_by_the_mean_over_sequences()
 
 def test_learner_batch_normalizes_sequence_weights_over_sequences():
     from asyncrl.config.schema import AlgorithmConfig
-    from asyncrl.learner.objective import correct
+    from asyncrl.learner.objective import correct, rollout_is_settings
 
     alg = AlgorithmConfig(
         rollout_is_level="sequence", rollout_is_batch_normalize=True, rollout_is_veto_threshold=None
     )
     old, rollout, mask = _tensors([[0.5, 0.0, 0.0], [0.0, -0.5, 0.0]], [[1, 0, 0], [1, 1, 1]])
-    weights, _, _ = correct(alg, "vanilla", old, rollout, mask)
+    weights, _, _ = correct(alg, rollout_is_settings(alg), "vanilla", old, rollout, mask)
     per_seq = weights[:, 0]
     assert per_seq.mean().item() == pytest.approx(1.0)
     assert (per_seq[0] / per_seq[1]).item() == pytest.approx(math.e, rel=1e-6)

@@ -123,6 +123,7 @@ def rollout_is_settings(alg: AlgorithmConfig) -> RolloutIS:
 
 def correct(
     alg: AlgorithmConfig,
+    rollout_is: RolloutIS,
     loss_mode: str,
     old: torch.Tensor,
     rollout: torch.Tensor,
@@ -132,8 +133,9 @@ def correct(
 
     `old` is the proximal policy (recomputed, or the rollout logprobs in bypass mode). The
     decoupled loss applies exp(prox - behav) itself, so it gets no separate weights.
+    `rollout_is` is `rollout_is_settings(alg)`, built once by the learner, not per batch.
     """
-    weights, metrics = apply_rollout_is(old, rollout, mask, rollout_is_settings(alg))
+    weights, metrics = apply_rollout_is(old, rollout, mask, rollout_is)
     if alg.rollout_rs:
         criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
         mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)

@@ -56,6 +56,7 @@ from asyncrl.learner.objective import (
     lr_factor,
     micro_share,
     objective,
+    rollout_is_settings,
 )
 from asyncrl.types import collate
 
@@ -75,6 +76,7 @@ class MegatronWorker:
                  rank=0, world_size=1, init_method=None, device: DeviceSpec | None = None,
                  local_device=0, reference=None) -> None:  # fmt: skip
         check_estimator(algorithm)  # a gae run fails before any process group or model
+        self.rollout_is = rollout_is_settings(algorithm)  # likewise a bad IS setting
         self.device = device or detect_device()
         prepare_megatron_imports(self.device)  # MindSpeed before Megatron, on Ascend
         require_megatron()
@@ -258,7 +260,9 @@ class MegatronWorker:
             return None, {}
         rollout, mask = data["rollout_logprobs"], data["response_mask"]
         old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
-        weights, mask, metrics = correct(alg, self.actor.policy_loss.loss_mode, old, rollout, mask)
+        weights, mask, metrics = correct(
+            alg, self.rollout_is, self.actor.policy_loss.loss_mode, old, rollout, mask
+        )
         return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
 
     def _optimise(self, data: dict, prep: dict | None) -> dict[str, float]:

@@ -30,6 +30,7 @@ from asyncrl.learner.objective import (
     lr_factor,
     micro_share,
     objective,
+    rollout_is_settings,
 )
 from asyncrl.learner.reference import ReferenceSpec, reference_spec
 from asyncrl.types import TrajectoryGroup, collate
@@ -59,6 +60,7 @@ class TorchLearner:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         check_estimator(algorithm)  # before the model loads: a gae run fails at once
+        self.rollout_is = rollout_is_settings(algorithm)  # likewise a bad IS setting
         # Likewise a reference section that cannot be honoured (vocabulary, devices).
         self.reference_spec = reference_spec(reference, model_path, train, actor.use_kl_loss)
         torch.manual_seed(seed)
@@ -162,7 +164,9 @@ class TorchLearner:
         if alg.correction_mode == "decoupled":
             recomputed = batched_logprobs(self.model, data, self.temperature, infer_bs)
         old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
-        weights, mask, metrics = correct(alg, self.actor.policy_loss.loss_mode, old, rollout, mask)
+        weights, mask, metrics = correct(
+            alg, self.rollout_is, self.actor.policy_loss.loss_mode, old, rollout, mask
+        )
         ref = None
         if self.reference is not None:
             ref = batched_logprobs(
