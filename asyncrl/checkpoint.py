@@ -1,7 +1,8 @@
 """Save and resume everything a run needs.
 
 A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
-- `learner.pt`: model, optimizer, scheduler, version (torch tensors; loaded with
+- `learner.pt`: model, optimizer, scheduler, version, and the critic's model, optimizer and
+  scheduler and the KL-in-reward coefficient when configured (torch tensors; loaded with
   `weights_only=True`, so nothing but tensors and plain containers is unpickled),
 - `hf/`: the policy as a Hugging Face model directory (when `hf_model` or `model` is saved),
 - `extra.msgpack`: the run state: step, RNG states, data position, the replay queue (its groups
@@ -135,13 +136,21 @@ class Loaded:
         kept: it may be the size of the model and its optimizer."""
         state, self.state = self.state, {}
         if "optimizer" not in load_contents:
-            state.pop("optimizer", None)
-            state.pop("scheduler", None)
+            drop_optimizer(state)
         learner.load_state_dict(state)
         if "extra" not in load_contents or self.extra is None:
             return {}
         set_rng_state(self.extra["rng"])
         return self.extra
+
+
+def drop_optimizer(state: dict[str, Any]) -> None:
+    """Remove the optimizer and scheduler states from a learner state: the policy's, and its
+    critic's (a nested state of its own), in place."""
+    for part in (state, state.get("critic")):
+        if isinstance(part, dict):
+            part.pop("optimizer", None)
+            part.pop("scheduler", None)
 
 
 def load_contents(checkpoint: CheckpointConfig) -> set[str]:
@@ -215,8 +224,7 @@ class Checkpointer:
         tmp.mkdir(parents=True)
         state = learner.state_dict()
         if "optimizer" not in self.save_contents:
-            state.pop("optimizer", None)
-            state.pop("scheduler", None)
+            drop_optimizer(state)
         torch.save(state, tmp / LEARNER_FILE)
         if self.save_contents & {"hf_model", "model"}:
             learner.save_pretrained(tmp / "hf")

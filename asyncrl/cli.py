@@ -25,6 +25,7 @@ USER_ERRORS = (
     ("asyncrl.rewards.base", "RewardError"),
     ("asyncrl.envs.base", "EnvError"),
     ("asyncrl.device", "DeviceError"),
+    ("asyncrl.preflight", "MissingPieceError"),
     ("asyncrl.engine.sglang", "SGLangConfigError"),
     ("asyncrl.learner.megatron.args", "MegatronConfigError"),
     ("asyncrl.learner.reference", "ReferenceConfigError"),

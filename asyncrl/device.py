@@ -120,7 +120,7 @@ def resolve_backend(configured: str, device: DeviceSpec) -> str:
     if configured != "gloo" and configured != device.backend:
         raise DeviceError(
             f"weight-sync backend {configured} does not run on the {device.kind} device "
-            f"(use {device.backend} or gloo)"
+            f"(use {' or '.join(sorted({device.backend, 'gloo'}))})"
         )
     return configured
 

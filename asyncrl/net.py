@@ -33,6 +33,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+#: Environment variable Ray's raylet reads for its workers' niceness (Ray's default: 15).
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
+
+
 def init_ray() -> None:
     """Attach to the Ray cluster named by `RAY_ADDRESS`, or start Ray locally listening on
     127.0.0.1 only (a local run needs no other interface); idempotent.
@@ -51,6 +55,10 @@ def init_ray() -> None:
         ray.init(address=address, log_to_driver=True)
         return
     _ray_loopback()
+    # Ray starts its workers at nice 15, so on a small box where the learner and the engines
+    # keep every core busy the rollout workers (which feed the engines and the replay queue)
+    # would run only in the gaps: the loop's own processes share the machine as equals.
+    os.environ.setdefault(RAY_WORKER_NICENESS, "0")
     # Rollout workers take no CPU reservation: they are I/O-bound clients of the engines,
     # and a 2-core laptop must still fit several of them.
     cpus = max(2, os.cpu_count() or 2)

@@ -22,8 +22,11 @@ from asyncrl.data.prompts import PromptSource
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.metrics import MetricsLogger
 from asyncrl.metrics.batch import BatchMetrics, TrainedGroupLog
+from asyncrl.metrics.collapse import CollapseWatch
+from asyncrl.metrics.deferred import DeferredRows
 from asyncrl.metrics.rundir import claim_output_dir, roll_back
 from asyncrl.orchestrator import Orchestrator, resolve_model
+from asyncrl.preflight import check_machine
 from asyncrl.replay.filters import dapo_zero_variance
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 from asyncrl.rollout.evaluation import Evaluator
@@ -34,6 +37,7 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
     """Train as `cfg` says. output_dir belongs to one run: a fresh run into one that holds a
     run is refused unless `overwrite`, which first moves that run's files into
     `output_dir/.overwritten-<time>/`; `actor.checkpoint.resume` continues it instead."""
+    check_machine(cfg)  # a backend this machine cannot run: one line, before anything starts
     out = Path(cfg.output_dir)
     ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents)
     found = claim_output_dir(out, ckpt, cfg.actor.checkpoint, overwrite)  # before any start
@@ -46,39 +50,72 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=cfg.actor_infer.generating_args.temperature,
         total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
-        reference=cfg.reference,
+        reference=cfg.reference, critic=cfg.critic,
     )  # fmt: skip
-    filters = (dapo_zero_variance,) if cfg.algorithm.filter_zero_variance_groups else ()
-    queue = ReplayQueue(
-        ReplayConfig(cfg.async_.max_staleness, cfg.rollout_batch_size, filters=filters)
-    )
+    queue = make_queue(cfg)
     step = resume(found, ckpt, cfg, learner, queue, prompts)
     logger = MetricsLogger(
         out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=found is not None
     )
-    audit, batch_metrics = TrainedGroupLog(out), BatchMetrics()
+    audit, batch_metrics, watch = TrainedGroupLog(out), BatchMetrics(), CollapseWatch()
+    rows = DeferredRows(logger)  # a step's row waits for its evaluation (off the loop)
     with logger, closing(learner), ExitStack() as stack:
         rollout, evaluator = start_rollout(stack, cfg, model_dir, queue, prompts, learner)
+        stack.callback(rows.flush, ())  # on the way out, a row still held goes without eval
         if found is None:  # a resumed step's evaluation is in its row already
-            logger.log(step, evaluator.maybe(step, learner))
+            evaluator.submit(step, learner.version, learner)
+            rows.add(step, {})
         while step < cfg.max_steps:
             waited = time.perf_counter()
             groups = rollout.take_batch(cfg.rollout_batch_size, learner.version)
             idle = time.perf_counter() - waited
-            metrics = learner.step(groups)
+            metrics = learner.step(groups)  # evaluations in flight run on meanwhile
             step += 1
             audit.append(step, groups)
-            if learner.version % cfg.async_.sync_interval == 0 or step == cfg.max_steps:
+            if sync_due(cfg, learner.version, step) or evaluator.due(step):
+                blocked = evaluator.wait_before_sync()  # they are pinned to the engines' version
+                idle += blocked
                 metrics.update(rollout.sync_weights())
+                metrics["learner/eval_wait_seconds"] = blocked
             queue.set_version(learner.version)  # opens admission for the next version
             metrics.update(batch_metrics(groups, learner.version, idle))
             metrics.update(rollout.metrics() | evaluator.metrics())
-            metrics.update(evaluator.maybe(step, learner))
-            logger.log(step, metrics)
-            if ckpt_due(cfg, step):
+            if warning := watch.update(metrics):  # entropy, lengths or advantages collapsed
+                print(f"asyncrl: step {step}: {warning}")
+            evaluator.submit(step, learner.version, learner)  # the weights this step produced
+            rows.add(step, metrics)
+            land(rows, evaluator)
+            if ckpt_due(cfg, step):  # every row up to it is written first: a resume keeps them
+                land(rows, evaluator, drain=True)
                 state = {"prompts": prompts.state_dict(), **rollout.state_dict()}
                 ckpt.save(step, learner, {**state, "version": learner.version}, prompts.tokenizer)
+        land(rows, evaluator, drain=True)  # the last evaluation lands before the summary
     return logger.close()
+
+
+def make_queue(cfg: Config) -> ReplayQueue:
+    """The replay queue of the run: staleness bound, stale policy, filters."""
+    filters = (dapo_zero_variance,) if cfg.algorithm.filter_zero_variance_groups else ()
+    a = cfg.async_
+    return ReplayQueue(
+        ReplayConfig(
+            a.max_staleness, cfg.rollout_batch_size, filters=filters,
+            stale_policy=a.stale_policy, max_staleness_hard=a.max_staleness_hard,
+        )
+    )  # fmt: skip
+
+
+def sync_due(cfg: Config, version: int, step: int) -> bool:
+    """The configured sync cadence (the loop syncs at evaluation steps too: an evaluation
+    measures the step's own weights, which must be on the engines)."""
+    return version % cfg.async_.sync_interval == 0 or step == cfg.max_steps
+
+
+def land(rows: DeferredRows, evaluator: Evaluator, drain: bool = False) -> None:
+    """Finished evaluations (all of them, waiting, when `drain`) into their steps' rows; the
+    rows no evaluation holds any more, written."""
+    rows.land(evaluator.drain() if drain else evaluator.results())
+    rows.flush(evaluator.in_flight_steps())
 
 
 def start_rollout(

@@ -58,7 +58,7 @@ def measure(learner: Any, groups: list, repeats: int) -> dict[str, Any]:
         if i:
             times.append(time.perf_counter() - start)
     data = collate(groups, 0)
-    params = sum(p.numel() for p in learner.local.ddp.parameters())
+    params = sum(p.numel() for chunk in learner.local.chunks for p in chunk.parameters())
     return {"seconds": median(times), "all_seconds": times, "params": params,
             "processed_tokens": float(data.attention_mask.sum()),
             "trained_tokens": float(data.response_mask.sum())}  # fmt: skip

@@ -19,7 +19,13 @@ gloo over loopback on the CPU; with two or more GPUs the engine sits on cuda:1 a
 use NCCL (one GPU cannot hold both ends of an NCCL broadcast, so a single GPU stays on gloo).
 Target: asyncrl >= 0.8x raw GB/s at the loop's default bucket size (256 MB).
 
-    asyncrl bench weight-sync [--smoke] [--buckets-mb 4,16,64,256] [--repeats 4]
+LoRA row: the same model wrapped by peft (rank `--lora-rank`, all-linear, a trained-looking
+adapter: B random, not zero) synced both ways at the default bucket size and `auto` format:
+`merged` full weights (what `weight_sync.lora_sync: merge` sends) vs the `adapter` alone
+(`lora_sync: adapter`: A and scale·B per layer; the engine recomputes W0 + B·A). Bytes and
+seconds per sync, median over the repeats.
+
+    asyncrl bench weight-sync [--smoke] [--buckets-mb 4,16,64,256] [--repeats 4] [--lora-rank 16]
 """
 
 from __future__ import annotations
@@ -193,25 +199,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__)
     parser.add_argument("--buckets-mb", default=None, help="comma-separated bucket sizes in MB")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA row")
     args = parser.parse_args(argv)
     sizes_mb = [float(v) for v in (args.buckets_mb or ("0.0625,1" if args.smoke else "4,16,64,256")).split(",")]  # fmt: skip
     repeats = args.repeats or (2 if args.smoke else 4)
     kind = backend()
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-ws-") as tmp:
         spec = SMOKE_MODEL if args.smoke else FULL_MODEL
-        rows = _run(build_model_dir(Path(tmp) / "model", **spec), sizes_mb, repeats, kind)
+        model_dir = build_model_dir(Path(tmp) / "model", **spec)
+        rows, lora = _run(model_dir, sizes_mb, repeats, kind, args.lora_rank)
     _table(rows, kind)
+    print_table(
+        f"LoRA rank {args.lora_rank} sync ({kind}, {DEFAULT_BUCKET_MB:g} MB buckets, per sync)",
+        ["what is sent", "MB", "seconds"],
+        [[k, lora[k]["bytes"] / 2**20, lora[k]["seconds"]] for k in ("merged", "adapter")],
+    )
     ref = min(rows, key=lambda r: abs(r["bucket_mb"] - DEFAULT_BUCKET_MB))
     label = "per-tensor" if kind == "gloo" else "flattened"  # what load_format auto picks
     path = ref["paths"][label]
     met = path["vs_raw"] >= TARGET
     result = {
         "backend": kind, "repeats": repeats, "rows": rows, "default_path": label,
+        "lora": {"rank": args.lora_rank, **lora},
         "target": {"vs_raw_at_default_bucket": TARGET}, "met": {"vs_raw_at_default_bucket": met},
         "headline": {
             "vs_raw": headline(path["vs_raw"], True, "x"),
             "asyncrl_gb_per_s": headline(path["gb_per_s"], True, "GB/s"),
             "flattened_vs_raw": headline(ref["paths"]["flattened"]["vs_raw"], True, "x"),
+            "lora_adapter_sync_seconds": headline(lora["adapter"]["seconds"], False, "s"),
+            "lora_sync_bytes_ratio": headline(lora["bytes_ratio"], True, "x"),
         },
     }  # fmt: skip
     print(f"\ntarget asyncrl ({label}, the {kind} default) >= {TARGET}x raw at "
@@ -219,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     return finish("weight_sync", result, args, _plot(rows), argv)
 
 
-def _run(model_dir: Path, sizes_mb: list[float], repeats: int, kind: str) -> list[dict]:
+def _run(
+    model_dir: Path, sizes_mb: list[float], repeats: int, kind: str, rank: int
+) -> tuple[list[dict], dict]:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.engine.hf.launch import launch_hf_server
@@ -227,9 +245,55 @@ def _run(model_dir: Path, sizes_mb: list[float], repeats: int, kind: str) -> lis
     device = "cuda:0" if kind == "nccl" else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     named = [(n, t.detach()) for n, t in model.state_dict().items()]
+    merged, adapter = _lora_tensors(model, rank)
     extra = ["--device", "cuda:1"] if kind == "nccl" else []
     with launch_hf_server(model_dir, extra_args=extra, timeout_s=300) as handle:
-        return asyncio.run(_measure(handle.url, named, sizes_mb, repeats, kind))
+        rows = asyncio.run(_measure(handle.url, named, sizes_mb, repeats, kind))
+        lora = asyncio.run(_measure_lora(handle.url, merged, adapter, repeats, kind))
+    return rows, lora
+
+
+def _lora_tensors(model: Any, rank: int) -> tuple[list, list]:
+    """(merged full weights, adapter tensors) of `model` under a rank-`rank` peft adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from asyncrl.learner import lora
+
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():  # a trained adapter: B is no longer zero
+        for name, p in peft_model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.01)
+    return list(lora.merged_tensors(peft_model)), list(lora.adapter_tensors(peft_model))
+
+
+async def _measure_lora(url: str, merged, adapter, repeats: int, kind: str) -> dict:
+    """Per sync, the loop's way (default bucket, auto format): merged full vs adapter only."""
+    from asyncrl.engine.client import EngineClient
+    from asyncrl.weights.sync import WeightSender
+
+    client, sender = EngineClient(url), WeightSender(group_name="bench_lora", timeout_s=300)
+    await sender.init_group([client], backend=kind)
+    fmt = "auto" if kind == "gloo" else "flattened_bucket"
+    trials: dict[str, list] = {"merged": [], "adapter": []}
+    try:
+        version = 10_000
+        for _ in range(repeats + 1):  # the first round warms up, not counted
+            for label, named in (("merged", merged), ("adapter", adapter)):
+                version += 1
+                stats = await sender.sync(named, version, int(DEFAULT_BUCKET_MB * 2**20), fmt,
+                                          pause_mode="in_place")  # fmt: skip
+                trials[label].append((stats.seconds, stats.bytes))
+    finally:
+        await sender.close()
+        await client.close()
+    out = {
+        k: {"seconds": median([t for t, _ in v[1:]]), "bytes": v[0][1]} for k, v in trials.items()
+    }
+    out["bytes_ratio"] = out["merged"]["bytes"] / out["adapter"]["bytes"]
+    out["speedup"] = out["merged"]["seconds"] / out["adapter"]["seconds"]
+    return out
 
 
 if __name__ == "__main__":

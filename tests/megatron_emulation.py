@@ -8,9 +8,10 @@ all run for real. Activation recompute is out of reach (it saves CUDA RNG states
 
     python tests/megatron_emulation.py MODEL_DIR OUT_JSON TP PP [VOCAB] [EXTRA_JSON] [DTYPE]
 
-compares two ranks (world 2) of `MegatronWorker` with `TorchLearner` (one process, fp32) on
-the same batch and writes the differences to OUT_JSON. EXTRA_JSON updates the Megatron
-`strategy_config`, except its key "algorithm": `algorithm.*` settings for both learners.
+compares the ranks (two unless EXTRA_JSON says) of `MegatronWorker` with `TorchLearner` (one
+process, fp32) on the same batch and writes the differences to OUT_JSON. EXTRA_JSON updates the
+Megatron `strategy_config`, except its keys "algorithm" and "actor" (`algorithm.*`, `actor.*`
+settings for both learners) and "world" (the number of ranks, 2 unless given).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def apply() -> None:
         def wrapped(*a, **k):
             if "cuda" in str(k.get("device", "")):
                 k["device"] = "cpu"
+            k.pop("pin_memory", None)  # pinned host memory needs an accelerator
             return fn(*a, **k)
 
         return wrapped
@@ -77,9 +79,10 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     from asyncrl.device import SPECS
     from asyncrl.learner.megatron.worker import MegatronWorker
 
-    _, cfg = g.configs(setup["tp"], "[0,1]")
-    for key, value in setup["algorithm"].items():
-        setattr(cfg.algorithm, key, value)
+    _, cfg = g.configs(setup["tp"], str(list(range(world))))
+    for section in ("algorithm", "actor"):
+        for key, value in setup[section].items():
+            setattr(getattr(cfg, section), key, value)
     cfg.actor_train.strategy_args.strategy_config.update(
         tensor_model_parallel_size=setup["tp"], pipeline_model_parallel_size=setup["pp"],
         **setup["extra"],
@@ -91,7 +94,15 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     lp = worker.logprobs(batch)
     metrics = worker.step(batch)
     weights = {n: t.float().clone() for n, t in worker.export()}
-    torch.save({"lp": lp, "metrics": metrics, "weights": weights}, f"{out}/rank{rank}.pt")
+    # A checkpoint's way back in (every rank gets the full HF tensors and loads its shards,
+    # chunk by chunk): the initial weights must score exactly as before the step.
+    from asyncrl.learner.megatron.weights import HFCheckpoint
+
+    initial = HFCheckpoint(model_dir)
+    worker.load_hf({name: initial(name) for name in initial.where})
+    reloaded = worker.logprobs(batch)
+    torch.save({"lp": lp, "metrics": metrics, "weights": weights, "reloaded": reloaded},
+               f"{out}/rank{rank}.pt")  # fmt: skip
 
 
 def tiny_variant(src: Path, dst: Path, vocab: int | None, tied: bool) -> Path:
@@ -125,13 +136,15 @@ def main() -> None:
     src, out_json, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     vocab = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
-    algorithm = extra.pop("algorithm", {})
+    algorithm, actor = extra.pop("algorithm", {}), extra.pop("actor", {})
+    world = int(extra.pop("world", 2))
     dtype = sys.argv[7] if len(sys.argv) > 7 else "fp32"
     work = out_json.parent / "work"
     model_dir = tiny_variant(src, work / "model", vocab, tied=pp == 1)
     tcfg, _ = g.configs()
-    for key, value in algorithm.items():
-        setattr(tcfg.algorithm, key, value)
+    for section, settings in (("algorithm", algorithm), ("actor", actor)):
+        for key, value in settings.items():
+            setattr(getattr(tcfg, section), key, value)
     ref = TorchLearner(model_dir, tcfg.actor_train, tcfg.actor, tcfg.algorithm, temperature=0.7,
                        total_steps=10)  # fmt: skip
     batch = g.groups()
@@ -141,21 +154,23 @@ def main() -> None:
         want = token_logprobs(ref.model, data, 0.7)[0]
     ref_metrics = ref.step(batch)
     after = dict(ref.weights_for_sync())
-    setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype, "algorithm": algorithm}
+    setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype, "algorithm": algorithm,
+             "actor": actor}  # fmt: skip
     init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(rank_main, args=(2, init, str(model_dir), setup, str(work)), nprocs=2)
-    ranks = [torch.load(work / f"rank{r}.pt") for r in range(2)]
+    mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
+    ranks = [torch.load(work / f"rank{r}.pt") for r in range(world)]
     last = next(r for r in ranks if r["lp"] is not None)
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/mismatch_training_ppl",
             "learner/adv_mean", "learner/adv_max", "learner/adv_min")  # fmt: skip
     result = {
         "logprob_max_diff": (last["lp"][mask] - want[mask]).abs().max().item(),
+        "reloaded_logprob_max_diff": (last["reloaded"][mask] - last["lp"][mask]).abs().max().item(),
         "metrics": {k: [ref_metrics[k], last["metrics"][k]] for k in keys},
         "exported": sorted(ranks[0]["weights"]),
         "weight_max_diff": max(
             (t - after[n].float()).abs().max().item() for n, t in ranks[0]["weights"].items()
         ),
-        "silent_ranks_exported": [r for r in (1,) if ranks[r]["weights"]],
+        "silent_ranks_exported": [r for r in range(1, world) if ranks[r]["weights"]],
     }
     out_json.write_text(json.dumps(result))
 

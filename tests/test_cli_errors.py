@@ -89,6 +89,33 @@ def test_run_refuses_missing_inputs_before_starting(tmp_path, tiny_model, capsys
     assert not (tmp_path / "out").exists()  # refused before the run touched anything
 
 
+MACHINE_CASES = [
+    ("actor_infer.strategy_args.strategy_name=sglang", "sglang", "sglang"),
+    ("actor_train.strategy_args.strategy_name=megatron_train", "megatron.core", "megatron"),
+    ("weight_sync.backend=nccl", None, "nccl does not run on the cpu device"),
+    ("weight_sync.backend=hccl", None, "hccl does not run on the cpu device"),
+]
+
+
+@pytest.mark.parametrize(("override", "package", "fragment"), MACHINE_CASES)
+def test_run_refuses_what_this_machine_cannot_run_before_starting(
+    override, package, fragment, tmp_path, tiny_model, capsys, monkeypatch
+):
+    """A backend that needs a package or a device this CPU box lacks fails at start-up, in one
+    line naming the piece: not as an ImportError in a worker or an engine's log tail."""
+    import importlib.util
+
+    if package is not None and importlib.util.find_spec(package.split(".")[0]) is not None:
+        pytest.skip(f"{package} is installed here")
+    monkeypatch.delenv("ASYNCRL_DEBUG", raising=False)
+    monkeypatch.delenv("ASYNCRL_DEVICE", raising=False)
+    out = tmp_path / "out"
+    model = f"actor_train.model_args.model_name_or_path={tiny_model}"
+    assert main(["run", model, override, f"output_dir={out}"]) == 2
+    assert fragment in _one_stderr_line(capsys)
+    assert not out.exists()  # refused before the run touched anything
+
+
 def test_run_with_non_utf8_jsonl_is_one_line(tmp_path, tiny_model, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "0"}\n')

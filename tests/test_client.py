@@ -52,10 +52,13 @@ class FakeEngine:
         self.reply: object = GOOD
         self.status = 200
         self.delay = 0.0
+        self.server_version = "0.5.23"
         self.bodies: list[tuple[str, object]] = []
         self.auth: list[str | None] = []  # the Authorization header of every request
 
     async def handle(self, request: web.Request) -> web.Response:
+        if request.path in ("/server_info", "/get_server_info"):  # the client asks once
+            return web.json_response({"version": self.server_version})
         body = await request.json() if request.can_read_body else None
         self.bodies.append((request.path, body))
         self.auth.append(request.headers.get("Authorization"))

@@ -282,3 +282,27 @@ def test_admission_never_exceeds_the_budget_under_threads():
     assert len(trained) == len(set(trained)) == target * b
     m = replay.metrics()
     assert m["put"] == m["taken"] + m["evicted"] + m["filtered"] + m["depth"]
+
+
+def test_a_gate_closing_while_prompts_are_drawn_loses_none_of_them():
+    """Under the wait policy the learner's `set_version` can close admission at any moment;
+    the dispatcher counts capacity, draws and reserves as one step, so a version change from
+    the loop's thread waits for it and no drawn prompt is left outside the ledger."""
+    replay = ReplayQueue(ReplayConfig(max_staleness=1, rollout_batch_size=2, stale_policy="wait"))
+    pool = FakePool(workers=2)
+    draw, drawn = prompts()
+    assert replay.reserve(1, ["long"]) == 1 and replay.admission.issue(0, 1)  # started at 0
+    mover = threading.Thread(target=replay.set_version, args=(1,))  # "long" goes stale at 1
+
+    def next_prompt() -> PromptItem:
+        if not mover.is_alive() and not drawn:
+            mover.start()
+            mover.join(timeout=0.5)  # it cannot finish while the dispatcher holds admission
+        return draw()
+
+    dispatcher = Dispatcher(pool, replay, next_prompt, max_inflight_per_worker=4)
+    dispatcher._admit_fresh(3)
+    mover.join(timeout=30)
+    assert not mover.is_alive() and replay.version == 1
+    assert drawn and set(drawn) <= set(ledger(replay)[0])  # every drawn prompt is pending
+    assert replay.capacity() == 0  # and now the gate holds: "long" is still in flight

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+
+import pytest
 
 from asyncrl.config import load_config
 from asyncrl.run import run
@@ -48,3 +51,30 @@ def test_env_loop_end_to_end(tiny_model, tmp_path):
         assert r["learner/tokens"] == r["env/generated_tokens"]
         assert math.isfinite(r["mismatch/mismatch_kl"])
     assert rows[-1]["rollout/policy_version_max"] >= 1
+
+
+def _window_mean(rows: list[dict], key: str, start: int, end: int | None) -> float:
+    values = [r[key] for r in rows[start:end]]
+    return sum(values) / len(values)
+
+
+@pytest.mark.slow
+def test_guess_number_recipe_learns_without_collapse(tmp_path):
+    """Issue 18, the shipped recipe as a user runs it (the embedded model, seed 0, 150 steps):
+    episode success rises well above the warm-start and the policy does not collapse onto one
+    answer (its entropy stays near its start; answers stay valid)."""
+    recipe = Path(__file__).parents[1] / "configs/agentic_guess_number.yaml"
+    overrides = [f"output_dir={tmp_path}", "logging.console=false", "logging.tensorboard=false"]
+    run(load_config(recipe, overrides))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "env/solved_frac" in r]
+    assert len(rows) == 150
+    first = _window_mean(rows, "env/solved_frac", 0, 15)
+    last = _window_mean(rows, "env/solved_frac", -15, None)
+    # the recipe's header claims >= 0.55 on seeds 0-2 (measured 0.63-0.76); a looser bar here
+    assert last >= 0.5 and last >= first + 0.2, (first, last)
+    start_entropy = _window_mean(rows, "actor/entropy", 0, 3)
+    # a sharpening policy loses entropy (measured: to 0.36-0.43 of its start); a collapsed one
+    # to ~0.06
+    assert _window_mean(rows, "actor/entropy", -15, None) >= 0.25 * start_entropy
+    assert _window_mean(rows, "env/invalid_action_frac", -15, None) < 0.1

@@ -152,6 +152,33 @@ def test_guess_number_limits_and_invalid_answers():
     assert done and reward == 0.0
 
 
+def test_shipped_guess_number_recipe_gives_invalid_answers_a_gradient():
+    """Issue 18: with an invalid or empty answer scored 0 like a wrong guess, a policy answering
+    an immediate EOS every turn scored exactly like one still guessing: groups of all-equal
+    returns, no gradient, and the run sat in that state. The shipped recipe scores an invalid
+    answer below a wrong one, and its estimator does not divide the group's small reward
+    differences by their std (which turned that penalty into full-size advantages)."""
+    from pathlib import Path
+
+    from asyncrl.config import load_config
+
+    cfg = load_config(Path(__file__).parents[1] / "configs/agentic_guess_number.yaml", [])
+    env = make_env(cfg.env.name, cfg.env.config)
+    env.reset(0)
+    _, empty, done, info = env.step("")  # the model's turn was an immediate EOS
+    assert info["invalid_action"] and not done
+    _, estimate, _, info = env.step("~20")  # the warm-start's estimate style, out of range
+    assert info["invalid_action"] and estimate == empty
+    _, wrong, _, info = env.step(str((env.secret + 1) % 10))
+    assert not info.get("invalid_action") and empty < wrong
+    # a 2-token turn leaves of the warm-start's estimate "~20" a valid guess, "~2"
+    assert cfg.env.max_tokens_per_turn == 2
+    _, _, _, info = env.step("~2")
+    assert not info.get("invalid_action")
+    assert cfg.algorithm.adv_estimator == "drgrpo"
+    assert cfg.actor.entropy_coeff > 0
+
+
 # -- math with the calculator ------------------------------------------------------------------
 def test_math_tool_episode():
     env = make_env("math_tool", {"max_tool_calls": 1, "max_attempts": 2})

@@ -369,6 +369,7 @@ def test_malformed_requests_get_400(server, path, body):
         ("/generate", {"input_ids": [1], "rid": 5}, "rid"),
         ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
         ("/generate", {"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num"),
+        ("/generate", {"input_ids": [1], "extra_key": 5}, "extra_key"),
     ],
 )
 def test_a_bad_field_is_named(server, path, body, field):
@@ -386,6 +387,7 @@ def test_info_and_weight_version_endpoints(server):
     async def go(c):
         status, info = await c._call("GET", "/get_model_info")
         assert status == 200 and info["is_generation"] and "weight_version" in info
+        assert (await c._call("GET", "/server_info"))[1]["version"] == "asyncrl-hf"
         await c.update_weight_version(41)
         assert await c.get_weight_version() == "41"
         out = await c.generate_one(GenerateRequest([3], {"max_new_tokens": 2}))

@@ -327,9 +327,9 @@ init_ray()
 @ray.remote(num_cpus=0)
 class Probe:
     def pid(self):
-        return os.getpid()
+        return os.getpid(), os.nice(0)
 probe = Probe.remote()
-print(ray.get(probe.pid.remote()), ray.util.get_node_ip_address(), flush=True)
+print(*ray.get(probe.pid.remote()), ray.util.get_node_ip_address(), flush=True)
 sys.stdin.readline()  # Ray stays up until the test has looked at its sockets
 ray.shutdown()
 """
@@ -382,7 +382,7 @@ def test_local_ray_listens_on_loopback_only():
         stderr=subprocess.DEVNULL, text=True, env=env, cwd=Path(__file__).parent.parent,
     )  # fmt: skip
     try:
-        actor_pid, node_ip = proc.stdout.readline().split()
+        actor_pid, niceness, node_ip = proc.stdout.readline().split()
         addresses = _listening(_descendants(proc.pid))
         assert int(actor_pid) in _descendants(proc.pid)
     finally:
@@ -392,5 +392,6 @@ def test_local_ray_listens_on_loopback_only():
             proc.kill()
             proc.communicate()
     assert node_ip == "127.0.0.1"
+    assert niceness == "0"  # Ray's default 15 would starve rollout workers on a busy box
     assert len(addresses) >= 3, addresses  # GCS, raylet, the actor's worker at least
     assert set(addresses) <= LOOPBACK, f"Ray listens beyond loopback: {addresses}"

@@ -78,6 +78,13 @@ def test_plan_passes_every_knob_through():
         ({"tensor_model_parallel_size": 0}, "must be a positive int"),
         ({"recompute_granularity": "some"}, "'some' is not one of full, selective"),
         ({"recompute_method": "uniform"}, "needs recompute_num_layers"),
+        ({"virtual_pipeline_model_parallel_size": 2}, "needs pipeline_model_parallel_size >= 2"),
+        ({"context_parallel_size": 0}, "context_parallel_size must be a positive int"),
+        ({"pipeline_model_parallel_size": 3}, "28 layers do not split into .* stages \\(3\\)"),
+        (
+            {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2},
+            "28 layers do not split into .* stages \\(8\\)",
+        ),
         ({"transformer_impl": "apex"}, "transformer_impl: 'apex'"),
     ],
 )
@@ -85,6 +92,22 @@ def test_bad_megatron_options_are_named(config, fragment):
     cfg = train_cfg(**config)
     with pytest.raises(ma.MegatronConfigError, match=fragment):
         ma.plan(cfg.actor_train, cfg.actor.optim, HF, 151936)
+
+
+def test_virtual_pipeline_and_context_parallel_pass_through():
+    """VPP runs Megatron's interleaved schedule the way Megatron's training loop does (separate
+    isend/irecv: with PP=2 a batch of both directions could pair messages wrongly); VPP 1 is
+    no VPP; CP reaches initialize_model_parallel and TransformerConfig."""
+    cfg = train_cfg(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                    context_parallel_size=2)  # fmt: skip
+    p = ma.plan(cfg.actor_train, cfg.actor.optim, HF, padded_vocab=151936)
+    assert p.parallel["virtual_pipeline_model_parallel_size"] == 2
+    assert p.parallel["context_parallel_size"] == p.transformer["context_parallel_size"] == 2
+    assert p.transformer["overlap_p2p_comm"] and not p.transformer["batch_p2p_comm"]
+    one = train_cfg(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1)
+    p = ma.plan(one.actor_train, one.actor.optim, HF, padded_vocab=151936)
+    assert p.parallel["virtual_pipeline_model_parallel_size"] is None
+    assert "overlap_p2p_comm" not in p.transformer
 
 
 def test_model_features_outside_the_builtin_path_are_refused():
@@ -99,11 +122,46 @@ def test_model_features_outside_the_builtin_path_are_refused():
         ma.model_kwargs({**HF, "use_sliding_window": True}, 10)
 
 
+MEG = "actor_train.strategy_args.strategy_name=megatron_train"
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["actor_train.strategy_args.strategy_config={context_parallel_size: 2}"],
+         "context_parallel_size: 2 is a Megatron parallel size; fsdp2_train has no such"),
+        (["actor_train.strategy_args.strategy_config={virtual_pipeline_model_parallel_size: 2}"],
+         "virtual_pipeline_model_parallel_size: 2 is a Megatron parallel size"),
+        ([MEG, "actor_train.strategy_args.strategy_config={context_parallel_size: 2}"],
+         "has 1 device\\(s\\), not a multiple of .* \\(1 x 1 x 2\\)"),
+        ([MEG, "actor_train.device_mapping=[0,1]",
+          "actor_train.strategy_args.strategy_config={virtual_pipeline_model_parallel_size: 2}"],
+         "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2"),
+        ([MEG, "actor_train.strategy_args.strategy_config={context_parallel_size: 1.5}"],
+         "context_parallel_size must be a positive int, got 1.5"),
+    ],
+)  # fmt: skip
+def test_parallel_sizes_a_run_cannot_honour_are_refused_at_validation(overrides, fragment):
+    from asyncrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, overrides)
+
+
+def test_context_parallel_and_virtual_pipeline_validate_where_they_run():
+    sc = "actor_train.strategy_args.strategy_config="
+    cfg = load_config(None, [MEG, "actor_train.device_mapping=[0,1,2,3]",
+                             sc + "{context_parallel_size: 2, pipeline_model_parallel_size: 2, "
+                             "virtual_pipeline_model_parallel_size: 2}"])  # fmt: skip
+    assert cfg.actor_train.strategy_args.strategy_config["context_parallel_size"] == 2
+
+
 def test_megatron_modules_import_without_megatron():
     code = (
         "import sys\n"
         "import asyncrl.learner.megatron.learner, asyncrl.learner.megatron.worker\n"
         "import asyncrl.learner.megatron.build, asyncrl.learner.megatron.weights\n"
+        "import asyncrl.learner.megatron.context, asyncrl.learner.megatron.logits\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'megatron']\n"
         "sys.modules['megatron'] = None  # as if megatron-core were not installed\n"
         "from asyncrl.learner.megatron.learner import require_megatron\n"
@@ -197,3 +255,34 @@ def test_recipes_turn_into_megatron_and_sglang_arguments(name):
     if name.endswith("npu"):
         assert cfg.weight_sync.backend == "hccl"
         assert p.transformer["use_flash_attn"] and p.transformer["sequence_parallel"]
+
+
+def test_context_parallel_split_is_megatrons_load_balanced_chunking():
+    """2·CP chunks; CP rank r holds chunks r and 2·CP-1-r (megatron.core.utils.
+    get_batch_on_this_cp_rank), every position exactly once, equal causal work per rank."""
+    assert mb.cp_positions(12, 3, 0).tolist() == [0, 1, 10, 11]
+    assert mb.cp_positions(12, 3, 1).tolist() == [2, 3, 8, 9]
+    assert mb.cp_positions(12, 3, 2).tolist() == [4, 5, 6, 7]
+    order = mb.cp_order(16, 2)
+    assert sorted(order.tolist()) == list(range(16))
+    assert len({int(mb.cp_positions(16, 2, r).sum()) for r in range(2)}) == 1  # balanced
+    values = torch.arange(16.0)[None] * 10  # per-position values, gathered back in order
+    gathered = torch.cat([values[:, mb.cp_positions(16, 2, r)] for r in range(2)], dim=1)
+    assert torch.equal(gathered[:, torch.argsort(order)], values)
+    with pytest.raises(ValueError, match="not a multiple of 2 x CP"):
+        mb.cp_positions(10, 3, 0)
+
+
+def test_interleaved_schedule_gets_a_multiple_of_the_pipeline_size():
+    """Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP; too
+    few rows give dead micro-batches (the filler row, weight 0), never an empty one."""
+    filler = torch.tensor([7])
+    plain = mb.schedule_micro(torch.arange(5), 2, filler)
+    assert [(m.tolist(), live) for m, live in plain] == [([0, 1], 1), ([2, 3], 1), ([4], 1)]
+    four = mb.schedule_micro(torch.arange(5), 2, filler, multiple=2)
+    assert len(four) == 4 and all(live and len(m) <= 2 for m, live in four)
+    assert torch.cat([m for m, _ in four]).tolist() == list(range(5))
+    few = mb.schedule_micro(torch.arange(1), 3, filler, multiple=2)
+    assert [(m.tolist(), live) for m, live in few] == [([0], True), ([7], False)]
+    none = mb.schedule_micro(torch.arange(0), 3, filler)
+    assert [(m.tolist(), live) for m, live in none] == [([7], False)]

@@ -1,14 +1,19 @@
-"""The real Megatron learner (megatron-core 0.16) on the CPU, two ranks, against the torch
-learner: tensor parallel with a padded vocabulary, pipeline parallel, data parallel with the
-distributed optimizer, and data parallel with a batch-level advantage estimator (REINFORCE++:
-each rank must whiten over the whole batch, not its shard). Megatron's CUDA-only calls are
-redirected (tests/megatron_emulation.py); skipped when megatron-core is not installed. The GPU
-runs live in tests/gpu/.
+"""The real Megatron learner (megatron-core 0.16) on the CPU, two or four ranks, against the
+torch learner: tensor parallel with a padded vocabulary, pipeline parallel, data parallel with
+the distributed optimizer, data parallel with a batch-level advantage estimator (REINFORCE++:
+each rank must whiten over the whole batch, not its shard), context parallel (Megatron's
+load-balanced 2·CP split, asyncrl's all-gather CP attention on the local spec; with DP and the
+distributed optimizer, and with TP), virtual pipeline stages (the interleaved schedule, also
+with dead micro-batches) and CP, PP and VPP at once (with the KL reference). Every case also
+loads checkpoint weights back (per chunk) and checks they score as before. Megatron's CUDA-only
+calls are redirected (tests/megatron_emulation.py); skipped when megatron-core is not
+installed. The GPU runs live in tests/gpu/.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +30,23 @@ CASES = {
                                               "overlap_grad_reduce": True}),
     "dp2-reinforce-plus-plus": (1, 1, "-", {"algorithm": {"adv_estimator":
                                                           "reinforce_plus_plus", "gamma": 0.9}}),
+    "cp2": (1, 1, "-", {"context_parallel_size": 2}),
+    "cp2-dp2-distributed-optimizer": (1, 1, "-", {"context_parallel_size": 2, "world": 4,
+                                                  "use_distributed_optimizer": True}),
+    "tp2-cp2-padded-vocab": (2, 1, "101", {"context_parallel_size": 2, "world": 4}),
+    "vpp2-pp2": (1, 2, "-", {"virtual_pipeline_model_parallel_size": 2}),
+    # + the KL reference (frozen chunks, CP-split) over two optimizer steps (the second with
+    # the actor moved away from it)
+    "cp2-pp2-vpp2-kl": (1, 2, "-", {"context_parallel_size": 2, "world": 4,
+                                    "virtual_pipeline_model_parallel_size": 2,
+                                    "actor": {"use_kl_loss": True, "kl_loss_coef": 0.5,
+                                              "ppo_mini_batch_size": 6}}),
+    # 12 one-row optimizer steps: the interleaved schedule gets a dead micro-batch each time
+    "pp2-vpp2-one-row-mini-batches": (1, 2, "-", {"virtual_pipeline_model_parallel_size": 2,
+                                                  "actor": {"ppo_mini_batch_size": 1}}),
 }  # fmt: skip
+# The issue's bar (1e-6) for the CP and VPP cases; the older cases keep theirs.
+LOGPROB_TOL = {case: 1e-6 for case in CASES if "cp2" in case or "vpp2" in case}
 
 
 @pytest.mark.slow
@@ -35,13 +56,17 @@ def test_two_ranks_match_the_torch_learner(tmp_path, tiny_model, case):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(HERE / "megatron_emulation.py"), str(tiny_model), str(out),
            str(tp), str(pp), vocab, json.dumps(extra)]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # the script imports asyncrl from this checkout, installed or not
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["logprob_max_diff"] < 2e-5
+    assert result["logprob_max_diff"] < LOGPROB_TOL.get(case, 2e-5)
     for key, (want, got) in result["metrics"].items():
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
     assert result["weight_max_diff"] < 1e-5
+    assert result["reloaded_logprob_max_diff"] < 1e-6  # checkpoint weights load back, per chunk
     assert not result["silent_ranks_exported"]  # only global rank 0 yields tensors
     assert "model.embed_tokens.weight" in result["exported"]
     assert ("lm_head.weight" in result["exported"]) == (pp == 2)  # tied when pp == 1

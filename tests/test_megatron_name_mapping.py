@@ -173,3 +173,20 @@ def test_checkpoint_reader_and_writer_round_trip(tmp_path, tiny):
     assert (tmp_path / "out" / "config.json").exists()
     for name, tensor in state.items():
         assert torch.equal(back(name), tensor), name
+
+
+def test_every_parameter_has_one_owning_chunk_under_virtual_pipeline_stages():
+    """PP=2, VPP=2 over 4 layers: rank r chunk v holds layer v·2 + r (Megatron's interleaved
+    layout); the embedding lives in the first chunk of rank 0, the norm and head in the last
+    chunk of the last rank, and the local names are the chunk's own (layer 0)."""
+    from asyncrl.learner.megatron.weights import _local_name, owner_chunk
+
+    shape = hm.ModelShape.from_hf_config({**CFG, "num_hidden_layers": 4})
+    layout = [[(0, 1), (2, 1)], [(1, 1), (3, 1)]]  # [pipeline rank][chunk] = (first, count)
+    owners = {r.mcore: owner_chunk(r, layout) for r in hm.rules(shape)}
+    assert owners["embedding.word_embeddings.weight"] == (0, 0)
+    assert owners["decoder.final_layernorm.weight"] == owners["output_layer.weight"] == (1, 1)
+    for layer, want in enumerate([(0, 0), (1, 0), (0, 1), (1, 1)]):
+        assert owners[f"decoder.layers.{layer}.mlp.linear_fc2.weight"] == want
+    rule = next(r for r in hm.rules(shape) if r.mcore.startswith("decoder.layers.3.mlp.linear_fc2"))
+    assert _local_name(rule, layout[1][1][0]) == "decoder.layers.0.mlp.linear_fc2.weight"

@@ -14,6 +14,7 @@ import pytest
 from asyncrl.config.schema import LoggingConfig
 from asyncrl.metrics import History, MetricsError, MetricsLogger, report_from_jsonl
 from asyncrl.metrics.console import binned, sparkline
+from asyncrl.metrics.deferred import DeferredRows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -300,3 +301,29 @@ def test_resume_purges_tensorboard_events_after_the_checkpoint(tmp_path):
     with resumed:
         resumed.log(4, {"rollout/reward_mean": 40.0})
     assert scalars(logdir) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_deferred_rows_wait_for_their_evaluation_and_keep_step_order():
+    logged: list[tuple[int, dict]] = []
+
+    class Log:
+        def log(self, step: int, metrics: dict) -> None:
+            logged.append((step, dict(metrics)))
+
+    rows = DeferredRows(Log())
+    rows.add(0, {})
+    rows.flush(held={0})  # step 0's evaluation still runs: nothing is written
+    rows.add(1, {"version": 1.0})
+    rows.flush(held={0})
+    assert logged == []
+    rows.land([(0, {"eval/accuracy": 0.25})])
+    rows.add(2, {"version": 2.0})
+    rows.flush(held={2})  # 0 and 1 go, in order; 2 waits for its own evaluation
+    assert logged == [(0, {"eval/accuracy": 0.25}), (1, {"version": 1.0})]
+    rows.flush(held=())  # its evaluation failed: the row goes without it
+    assert logged[-1] == (2, {"version": 2.0})
+    with pytest.raises(ValueError, match="no pending row"):
+        rows.land([(1, {"eval/accuracy": 0.5})])  # written already
+    with pytest.raises(ValueError, match="step 2 after step 3"):
+        rows.add(3, {})
+        rows.add(2, {})

@@ -114,3 +114,22 @@ def test_check_reward_resolves_without_building(tmp_path, monkeypatch):
     with pytest.raises(RewardError, match="cannot import module .*SyntaxError") as err:
         check_reward("broken_reward_module:f")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify absent")
+def test_math_verify_scores_off_the_main_thread():
+    """A rollout worker scores on its event-loop thread, where math-verify's signal-based
+    timeouts cannot run: the reward must still answer there, not raise."""
+    import threading
+
+    from asyncrl.rewards import get_reward_fn
+
+    fn, scores = get_reward_fn("math_verify"), []
+    worker = threading.Thread(
+        target=lambda: scores.extend(
+            [fn("p", "so x = \\frac{1}{2}", {"answer": "0.5"}), fn("p", "x = 3", {"answer": "4"})]
+        )
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert scores == [1.0, 0.0]

@@ -75,10 +75,17 @@ def test_server_and_router_commands_from_config(tmp_path):
         "--json-model-override-args", '{"rope_theta": 1000000}',
         "--dtype", "bfloat16", "--random-seed", "5",
     ]  # fmt: skip
-    assert sl.router_command(["http://a:1", "http://b:2"], 9000, settings) == [
+    router = sl.router_command(["http://a:1", "http://b:2"], 9000, settings)
+    assert router[:-1] == [
         sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1",
         "http://b:2", "--policy", "round_robin", "--host", "127.0.0.1", "--port", "9000",
-        "--balance-abs-threshold", "8",
+        "--balance-abs-threshold", "8", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+    ]  # fmt: skip
+    # the exporter: loopback and a free port (sglang-router's default 0.0.0.0:29000 clashes)
+    assert router[-1].isdigit() and router[-1] != "29000"
+    settings.router_args.update(prometheus_host="10.0.0.5", prometheus_port=9100)
+    assert sl.router_command(["http://a:1"], 9000, settings)[-4:] == [
+        "--prometheus-host", "10.0.0.5", "--prometheus-port", "9100",
     ]  # fmt: skip
     assert sl.engine_devices(infer.device_mapping, 2) == [[0, 1], [2, 3]]
     assert sl.engine_devices([], 2) == [[]]
@@ -93,6 +100,8 @@ def test_server_and_router_commands_from_config(tmp_path):
         ({"port": 1}, "port is set by asyncrl"),
         ({"server_urls": "http://x"}, "list of URLs"),
         ({"router": "yes"}, "true, false or auto"),
+        ({"dp_size": 2}, "dp_size=2: SGLang's weight update from the learner needs dp_size 1"),
+        ({"pipeline_parallel_size": 2}, "needs pp_size 1"),
     ],
 )
 def test_bad_strategy_config_is_one_clear_error(config, fragment):
@@ -167,8 +176,14 @@ def check_engine(url: str, expected: dict[str, str], version: str, pause_mode: s
     last_pause = max(i for i, (p, _) in enumerate(calls) if p == "/pause_generation")
     assert calls[-1][0] == "/continue_generation"  # the latest sync: pause ... continue
     updates = [b for p, b in calls[last_pause:] if p == "/update_weights_from_distributed"]
-    assert all(b["weight_version"] is None and not b["flush_cache"] for b in updates[:-1])
-    assert updates[-1]["weight_version"] == version and updates[-1]["flush_cache"]
+    assert all(b["weight_version"] is None for b in updates[:-1])
+    # The version rides on the last bucket; no bucket flushes (a flush refused while paused
+    # requests hold KV kills SGLang <= 0.5.22). 0.5.23 (the fake's default): the buckets sit
+    # inside one weight-update session, closed before generation continues.
+    assert updates[-1]["weight_version"] == version and not any(b["flush_cache"] for b in updates)
+    paths = [p for p, _ in calls[last_pause:]]
+    assert paths[1] == "/begin_weight_update" and paths[-2] == "/end_weight_update"
+    assert paths.count("/begin_weight_update") == paths.count("/end_weight_update") == 1
     pauses = [b for p, b in got["calls"] if p == "/pause_generation"]
     assert pauses and all(b == {"mode": pause_mode} for b in pauses)
     return updates
@@ -206,7 +221,9 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
         assert engines.last_sync["sync/gb_per_s"] > 0 and engines.last_sync["sync/buckets"] > 1
 
         (router,) = engines.urls_for_worker(0)
-        assert router not in urls and state(router)["argv"][-2:] == ["--port", router[-5:]]
+        argv = state(router)["argv"]
+        assert router not in urls and argv[argv.index("--port") + 1] == router.rsplit(":", 1)[1]
+        assert argv[argv.index("--prometheus-host") + 1] == "127.0.0.1"
 
         async def generate():
             async with EngineClient(router) as client:

@@ -116,7 +116,7 @@ def test_every_byte_on_every_rank_with_mixed_dtypes_and_uneven_tp(tmp_path):
 def _sglang_side(ports: list[int], name: str, conn) -> None:
     """SGLang's join (tcp rendezvous + PrefixStore(name) + torch's helper), once per port."""
     sys.path.insert(0, FAKE)
-    from fake_server import _join
+    from fake_ranks import _join
 
     out = []
     for port in ports:

@@ -13,19 +13,18 @@ Every registered estimator has the signature
 
 Where each estimator runs in the loop (`ESTIMATOR_STAGES`):
 
-- ``rollout`` (grpo, drgrpo, rloo): within one group, so the rollout worker computes them and
-  the group travels with its advantages.
+- ``rollout`` (grpo, drgrpo, rloo): within one group: the rollout worker computes them.
 - ``batch`` (reinforce_plus_plus, reinforce_plus_plus_baseline): they whiten over every valid
-  token of the trained batch, so only the learner can compute them, once per batch and before
-  mini-batching (`batch_outcome_advantages`).
-- ``critic`` (gae): needs the values of a critic, which asyncrl does not have yet; without
-  values the estimator raises rather than train on anything else.
+  token of the trained batch: the learner computes them, once per batch, before mini-batching.
+- ``critic`` (gae): the learner, with its critic's values of the trained batch
+  (`batch_token_advantages`); without values the estimator raises.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -261,27 +260,15 @@ def _est_grpo(rewards, mask, params, group_ids=None, values=None, norm_by_std=No
     return adv, adv
 
 
-def _est_drgrpo(rewards, mask, params, group_ids=None, values=None):
-    return _est_grpo(rewards, mask, params, group_ids, values, norm_by_std=False)
-
-
 def _est_rloo(rewards, mask, params, group_ids=None, values=None):
     adv = rloo_advantages(rewards.sum(dim=-1), _require(group_ids, "rloo"))
     adv = broadcast_to_tokens(adv, mask)
     return adv, adv
 
 
-def _est_rfpp(rewards, mask, params, group_ids=None, values=None):
-    return reinforce_pp_advantages(rewards, mask, params.gamma)
-
-
-def _est_rfpp_baseline(rewards, mask, params, group_ids=None, values=None):
-    return reinforce_pp_baseline_advantages(rewards, mask, group_ids)
-
-
 def _est_gae(rewards, mask, params, group_ids=None, values=None):
     if values is None:
-        raise ValueError("advantage estimator 'gae' needs critic values")
+        raise ValueError("advantage estimator 'gae' needs a critic (value model): no critic values")
     return gae_advantages(rewards, values, mask, params.gamma, params.lam, params.whiten_gae)
 
 
@@ -289,10 +276,12 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {
     "grpo": _est_grpo,
-    "drgrpo": _est_drgrpo,
+    "drgrpo": partial(_est_grpo, norm_by_std=False),
     "rloo": _est_rloo,
-    "reinforce_plus_plus": _est_rfpp,
-    "reinforce_plus_plus_baseline": _est_rfpp_baseline,
+    "reinforce_plus_plus": lambda r, m, p, g=None, v=None: reinforce_pp_advantages(r, m, p.gamma),
+    "reinforce_plus_plus_baseline": lambda r, m, p, g=None, v=None: (
+        reinforce_pp_baseline_advantages(r, m, g)
+    ),
     "gae": _est_gae,
 }
 
@@ -334,28 +323,37 @@ def estimator_stage(adv_estimator: str) -> str:
 
 
 @torch.no_grad()
+def batch_token_advantages(
+    adv_estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    params: AdvantageParams | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] (advantages, returns) of a trained batch from its token rewards, through
+    `compute_advantages` (whitening over exactly this batch's valid tokens), in float64. A
+    ``critic`` estimator (gae) needs the critic's ``values`` [B, T] and raises without them."""
+    mask = (response_mask > 0).to(torch.float64)
+    rewards = token_level_rewards.to(torch.float64) * mask
+    values = values.to(torch.float64) * mask if values is not None else None
+    return compute_advantages(adv_estimator, rewards, mask, params, group_ids, values)
+
+
+@torch.no_grad()
 def batch_outcome_advantages(
     adv_estimator: str,
     scores: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: GroupIds,
     params: AdvantageParams | None = None,
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B, T] advantages of a trained batch from one outcome score per row.
-
-    The scores (a response's reward, an episode's return) become token rewards on each row's
-    last valid token (`outcome_token_rewards`), then go through `compute_advantages`, so any
-    whitening runs over the valid tokens of exactly this batch. Computed in float64; the
-    caller casts. A ``critic`` estimator raises here: it needs values, and none exist.
-    """
-    if estimator_stage(adv_estimator) == "critic":
-        raise ValueError(
-            f"advantage estimator {adv_estimator!r} needs a critic (value model), "
-            "which asyncrl does not have yet"
-        )
+    """[B, T] advantages from one outcome score per row (a response's reward, an episode's
+    return), placed on each row's last valid token, through `batch_token_advantages`."""
     mask = (response_mask > 0).to(torch.float64)
     rewards = outcome_token_rewards(scores.to(torch.float64), mask)
-    advantages, _ = compute_advantages(adv_estimator, rewards, mask, params, group_ids)
+    advantages, _ = batch_token_advantages(adv_estimator, rewards, mask, group_ids, params, values)
     return advantages
 
 

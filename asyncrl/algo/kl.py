@@ -92,6 +92,70 @@ def kl_in_reward(
     return token_level_scores - kl_coef * kl
 
 
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,
+    old_logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    beta: float,
+    kl_type: str = "kl",
+) -> tuple[torch.Tensor, float]:
+    """verl's ``apply_kl_penalty``: token rewards ``r_t - beta * kl_t`` (``kl_t`` of the old
+    policy against the reference, 0 outside the mask) and the batch's current KL, the mean over
+    rows of each row's masked token mean (what an adaptive controller is fed). A row with no
+    valid token counts as KL 0 in that mean, as in verl (``masked_mean`` over an empty row)."""
+    mask = response_mask.to(token_level_scores.dtype)
+    kld = kl_penalty(old_logprob, ref_logprob, kl_type).detach().to(mask.dtype) * mask
+    rewards = token_level_scores - beta * kld
+    per_row = kld.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    current = float(per_row.mean()) if per_row.numel() else 0.0
+    return rewards, current
+
+
+class FixedKLController:
+    """A constant KL-in-reward coefficient (verl ``kl_ctrl.type: fixed``)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Fixed: nothing changes."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """verl's ``AdaptiveKLController`` (Ziegler et al., 2019): after each batch of
+    ``n_steps`` sequences, ``beta *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) *
+    n_steps / horizon``, so beta grows while the KL is above target and shrinks below it."""
+
+    def __init__(self, kl_coef: float, target_kl: float, horizon: int) -> None:
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got "
+                             f"{target_kl} and {horizon}")  # fmt: skip
+        super().__init__(kl_coef)
+        self.target, self.horizon = float(target_kl), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(
+    kind: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
+) -> FixedKLController:
+    """``fixed`` or ``adaptive`` (verl's ``algorithm.kl_ctrl.type``)."""
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"unknown kl_ctrl type {kind!r}; valid: fixed, adaptive")
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Categorical entropy over the last axis: ``logsumexp(z) - sum softmax(z) * z``.
 

@@ -31,6 +31,22 @@ class ModelArgs:
     attn_implementation: str | None = None
     """transformers attention kernel (eager, sdpa, flash_attention_2) of the fsdp2_train
     learner; null picks the default. Refused for other workers and backends (not read there)."""
+    lora_rank: int = 0
+    """LoRA rank r of the fsdp2_train actor (peft); 0 trains every weight. With r > 0 only the
+    adapter trains, the frozen base stays in `dtype`, the KL reference is the base (adapter off)
+    and syncs send only the adapter (see `weight_sync.lora_sync`). actor_train only."""
+    lora_alpha: float = 16.0
+    """LoRA alpha (> 0): the adapter's update is scaled by alpha / r (alpha / sqrt(r) with
+    `use_rslora`)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input in training, in [0, 1) (never applied when scoring)."""
+    target_modules: str | list[str] = "all-linear"
+    """Linear layers that get an adapter: `all-linear` (every linear layer but the output head)
+    or a list of module-name suffixes, e.g. [q_proj, k_proj, v_proj, o_proj]."""
+    lora_target_exclude: list[str] = field(default_factory=list)
+    """Module-name suffixes kept without an adapter even when `target_modules` matches them."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r."""
 
 
 @dataclass
@@ -129,6 +145,19 @@ class RejectionCriterion:
 
 
 @dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """verl's kl_ctrl: fixed keeps kl_coef; adaptive multiplies it after every batch by
+    1 + clip(kl / target_kl - 1, -0.2, 0.2) · sequences / horizon (Ziegler et al.)."""
+    kl_coef: float = 0.001
+    """Initial (fixed: constant) coefficient beta of the KL penalty in the reward (>= 0)."""
+    target_kl: float = 0.1
+    """Adaptive: the per-token KL the coefficient steers towards (> 0)."""
+    horizon: int = 10000
+    """Adaptive: sequences over which the coefficient adapts (> 0)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae."""
@@ -163,6 +192,22 @@ class AlgorithmConfig:
     """DAPO soft overlong punishment window (tokens before response_length); 0 disables."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong penalty at the maximum length."""
+    use_kl_in_reward: bool = False
+    """verl's KL-in-reward: every token's reward gets - beta · kl(old policy, reference) before
+    the estimator (a batch or critic one: the rollout's group estimators never see it); the
+    reference is the `reference` section's model, else the initial actor. fsdp2_train, one
+    device."""
+    kl_penalty: str = "kl"
+    """The per-token KL estimator of use_kl_in_reward: kl (k1) | abs | mse (k2) | low_var_kl
+    (k3)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """The coefficient beta of use_kl_in_reward (its state is checkpointed)."""
+    cliprange_value: float = 0.5
+    """verl's critic.cliprange_value: the value loss clips new values to old values ± this
+    (> 0); read when a critic section is set."""
+    critic_warmup: int = 0
+    """verl's trainer.critic_warmup: the first N learner steps train the critic only (the
+    actor's weights stay, its version still advances); needs a critic section."""
 
 
 @dataclass
@@ -256,6 +301,13 @@ class AsyncConfig:
     """Broadcast weights to the engines every N optimizer steps."""
     pause_mode: PauseMode = "in_place"
     """How engines hold in-flight requests during a weight update: abort | retract | in_place."""
+    stale_policy: Literal["evict", "wait", "correct"] = "evict"
+    """A group staler than max_staleness: evict (dropped, its prompt replaced); wait (no new
+    prompts and no learner step while in-flight work would exceed the bound: nothing is
+    discarded, the learner may idle); correct (trained with rollout IS up to
+    max_staleness_hard, evicted beyond it)."""
+    max_staleness_hard: int = 4
+    """stale_policy correct: groups staler than this are still evicted (>= max_staleness)."""
 
 
 @dataclass
@@ -275,6 +327,12 @@ class WeightSyncConfig:
     """Address the update group rendezvouses on (the learner's host)."""
     master_port: int = 0
     """Rendezvous port, 0..65535; 0 picks a free one."""
+    lora_sync: Literal["auto", "adapter", "merge"] = "auto"
+    """With `actor_train.model_args.lora_rank` > 0: `adapter` sends only the LoRA tensors each
+    sync (the hf engine keeps its base weights pristine and loads W0 + scale·B·A); `merge` sends
+    full weights with the adapter merged in (any engine). auto: adapter on hf_infer, merge on
+    sglang (asyncrl does not drive SGLang's native LoRA endpoints yet, so adapter is refused
+    there). Ignored without LoRA."""
 
 
 @dataclass
@@ -377,7 +435,11 @@ class Config:
     (equal vocab_size); with megatron_train also its architecture and dtype; device_mapping empty
     or actor_train's. null: a frozen copy of the initial actor."""
     critic: WorkerConfig | None = None
-    """Value model for GAE; null: none."""
+    """Value model for gae (needs adv_estimator: gae): the actor's architecture with a scalar
+    value head, trained inside the fsdp2_train learner on actor_train's one device;
+    model_args.model_name_or_path (empty: the actor's model), model_args.dtype (null: fp32),
+    training_args (its optimizer), infer_batch_size (rows per value pass); cliprange_value and
+    critic_warmup live in algorithm. null: none."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, rollout importance sampling, rejection sampling, DAPO filters."""
     actor: ActorConfig = field(default_factory=ActorConfig)

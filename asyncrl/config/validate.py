@@ -18,6 +18,7 @@ from asyncrl.config.schema import (
     Config,
     ConfigError,
     GeneratingArgs,
+    ModelArgs,
     TrainingArgs,
     WorkerConfig,
 )
@@ -50,7 +51,7 @@ CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # Estimators an env run computes in the rollout worker (asyncrl.algo.episode keeps them equal);
 # the batch-level ones (the learner's) work on episode returns in trajectory mode.
 EPISODE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
-EPISODE_BATCH_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+EPISODE_BATCH_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 
 PORT_MAX = 65535
 # Most devices one worker section may list, and the bound of a device id: far above any real
@@ -85,12 +86,15 @@ def validate(cfg: Config) -> None:
         worker = getattr(cfg, role)
         if worker is not None:
             _check_worker(role, worker)
-    if cfg.critic is not None:  # nothing reads it yet: accepting it would promise a value model
-        raise ConfigError("critic: the critic worker (value model) is not available yet")
     _check_algorithm(cfg)
+    _check_stale_policy(cfg)
+    _check_critic(cfg)
+    _check_kl_in_reward(cfg)
     _check_actor(cfg)
     _check_reference(cfg)
+    _check_parallel_sizes(cfg)
     _check_unread(cfg)
+    _check_lora(cfg)
     if cfg.env is not None:
         _check_env(cfg)
     _check_reward(cfg.rollout.reward_fn)
@@ -212,6 +216,43 @@ def _check_worker(role: str, worker: WorkerConfig) -> None:
     _check_training(f"{role}.training_args", worker.training_args)
     _check_sampling(f"{role}.generating_args", worker.generating_args)
     _check_devices(f"{role}.device_mapping", worker.device_mapping)
+    _check_sections_read(role, worker)
+    if worker.model_args.dtype == "fp16" and name == "hf_infer":
+        raise ConfigError(
+            f"{role}.model_args.dtype: fp16 is not served by hf_infer (fp32 or bf16; SGLang "
+            "serves fp16)"
+        )
+    if worker.model_args.dtype == "fp16" and name == "fsdp2_train" and role != "reference":
+        # Pure fp16 weights under AdamW underflow (eps 1e-8 is 0 in fp16) and overflow without
+        # loss scaling, which this learner does not do; Megatron scales the loss itself.
+        raise ConfigError(
+            f"{role}.model_args.dtype: fp16 training needs loss scaling, which fsdp2_train does "
+            "not do; use bf16 or fp32 (or megatron_train)"
+        )
+
+
+# The sub-sections each role's worker reads (its sampling comes from actor_infer, its data from
+# actor_train, and so on); a value set in any other one would be silently ignored.
+SECTIONS_READ = {
+    "actor_train": ("model_args", "training_args", "data_args", "strategy_args"),
+    "actor_infer": ("model_args", "generating_args", "strategy_args"),
+    "reference": ("model_args", "strategy_args"),
+    "critic": ("model_args", "training_args", "strategy_args"),
+}
+
+
+def _check_sections_read(role: str, worker: WorkerConfig) -> None:
+    defaults = WorkerConfig()
+    for section in ("training_args", "data_args", "generating_args"):
+        if section in SECTIONS_READ[role]:
+            continue
+        mine, default = getattr(worker, section), getattr(defaults, section)
+        for f in dataclasses.fields(mine):
+            if getattr(mine, f.name) != getattr(default, f.name):
+                raise ConfigError(
+                    f"{role}.{section}.{f.name}: not read for {role} (its worker reads "
+                    f"{', '.join(SECTIONS_READ[role])})"
+                )
 
 
 def _check_training(path: str, targs: TrainingArgs) -> None:
@@ -255,8 +296,6 @@ def _check_devices(path: str, devices: list[int]) -> None:
 def _check_algorithm(cfg: Config) -> None:
     alg = cfg.algorithm
     _one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
-    if alg.adv_estimator == "gae":  # the value model (critic worker) is not built yet
-        raise ConfigError("algorithm.adv_estimator: gae needs a critic section: not available yet")
     upper, lower = alg.rollout_is_threshold, alg.rollout_is_threshold_lower
     if upper is not None:
         _positive("algorithm.rollout_is_threshold", upper)
@@ -281,6 +320,98 @@ def _check_algorithm(cfg: Config) -> None:
             f"algorithm.overlong_buffer_len ({alg.overlong_buffer_len}) must be below "
             f"response_length ({cfg.response_length})"
         )
+
+
+def _check_stale_policy(cfg: Config) -> None:
+    """`stale_policy: correct` trains groups past max_staleness, sound only when the learner's
+    rollout IS reweights them by pi_prox / pi_behaviour (`learner/objective.py:correct`) per
+    sequence (or geometric mean), vetoing catastrophic ratios: a token-level weight leaves the
+    product of a long stale response's ratios uncorrected."""
+    a, alg = cfg.async_, cfg.algorithm
+    _positive("async.max_staleness_hard", a.max_staleness_hard, allow_zero=True)
+    if a.stale_policy != "correct":
+        return
+    if a.max_staleness_hard < a.max_staleness:
+        raise ConfigError(
+            f"async.max_staleness_hard ({a.max_staleness_hard}) must be >= async.max_staleness "
+            f"({a.max_staleness}) with stale_policy correct"
+        )
+    problems = [
+        what
+        for bad, what in (
+            (alg.correction_mode == "bypass", "algorithm.correction_mode must not be bypass"),
+            (alg.rollout_is_threshold is None, "algorithm.rollout_is_threshold must be set"),
+            (not alg.rollout_is, "algorithm.rollout_is must be true"),
+            (alg.rollout_is_level == "token", "algorithm.rollout_is_level: sequence|geometric"),
+            (alg.rollout_is_veto_threshold is None, "algorithm.rollout_is_veto_threshold: set"),
+        )
+        if bad
+    ]
+    if problems:
+        raise ConfigError(
+            "async.stale_policy correct trains groups past max_staleness with rollout IS, "
+            f"which this config does not apply: {'; '.join(problems)}"
+        )
+
+
+def _check_critic(cfg: Config) -> None:
+    """The critic runs inside the fsdp2_train learner, on its one device; only gae reads its
+    values, so a critic with another estimator (verl would train it unread) is refused."""
+    critic, alg, train = cfg.critic, cfg.algorithm, cfg.actor_train
+    _positive("algorithm.cliprange_value", alg.cliprange_value)
+    _positive("algorithm.critic_warmup", alg.critic_warmup, allow_zero=True)
+    if critic is None:
+        if alg.adv_estimator == "gae" or alg.critic_warmup:
+            key = "adv_estimator: gae" if alg.adv_estimator == "gae" else "critic_warmup"
+            raise ConfigError(f"algorithm.{key} needs a critic section (the value model)")
+        return
+    if alg.adv_estimator != "gae":
+        raise ConfigError(
+            f"critic: set, but algorithm.adv_estimator {alg.adv_estimator} reads no values "
+            "(only gae does): remove the critic section or use gae"
+        )
+    for role, worker in (("critic", critic), ("actor_train", train)):
+        if worker.strategy_args.strategy_name != "fsdp2_train":
+            raise ConfigError(
+                f"{role}.strategy_args.strategy_name: a critic with megatron_train is not "
+                "available yet (the critic runs inside the fsdp2_train learner)"
+            )
+    mapping = list(critic.device_mapping)
+    if mapping and mapping != list(train.device_mapping):
+        raise ConfigError(
+            f"critic.device_mapping {mapping} differs from actor_train.device_mapping "
+            f"{list(train.device_mapping)}: the critic runs inside the learner, on its devices"
+        )
+    _one_device("critic", train)
+
+
+def _one_device(what: str, train: WorkerConfig) -> None:
+    if len(train.device_mapping) > 1:
+        raise ConfigError(
+            f"{what} with a data-parallel actor_train ({len(train.device_mapping)} devices) is "
+            "not available yet: use one device"
+        )
+
+
+def _check_kl_in_reward(cfg: Config) -> None:
+    """verl's use_kl_in_reward penalises token rewards before a learner-side estimator."""
+    alg, ctrl = cfg.algorithm, cfg.algorithm.kl_ctrl
+    _one_of("algorithm.kl_penalty", alg.kl_penalty, tuple(k for k in KL_TYPES if k != "full"))
+    _positive("algorithm.kl_ctrl.kl_coef", ctrl.kl_coef, allow_zero=True)
+    _positive("algorithm.kl_ctrl.target_kl", ctrl.target_kl)
+    _positive("algorithm.kl_ctrl.horizon", ctrl.horizon)
+    if not alg.use_kl_in_reward:
+        return
+    if alg.adv_estimator in EPISODE_ESTIMATORS:  # grpo, drgrpo, rloo: the rollout's
+        raise ConfigError(
+            f"algorithm.use_kl_in_reward: {alg.adv_estimator} is computed in the rollout workers, "
+            "before any reference logprob; use reinforce_plus_plus(_baseline) or gae"
+        )
+    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
+        raise ConfigError(
+            "algorithm.use_kl_in_reward with megatron_train is not available yet (fsdp2_train)"
+        )
+    _one_device("algorithm.use_kl_in_reward", cfg.actor_train)
 
 
 def _check_actor(cfg: Config) -> None:
@@ -356,10 +487,10 @@ def _check_reference(cfg: Config) -> None:
     ref = cfg.reference
     if ref is None:
         return
-    if not cfg.actor.use_kl_loss:
+    if not (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
         raise ConfigError(
-            "reference: set, but actor.use_kl_loss is false (only the KL loss reads the "
-            "reference policy)"
+            "reference: set, but actor.use_kl_loss is false and so is "
+            "algorithm.use_kl_in_reward (only they read the reference policy)"
         )
     mapping, train = list(ref.device_mapping), list(cfg.actor_train.device_mapping)
     if mapping and mapping != train:
@@ -374,6 +505,41 @@ def _check_reference(cfg: Config) -> None:
                 f"reference.model_args.dtype {ref.model_args.dtype} with megatron_train: the "
                 f"reference is built in actor_train's dtype ({dtype}); leave it null or set {dtype}"
             )
+
+
+MEGATRON_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "context_parallel_size")  # fmt: skip
+
+
+def _check_parallel_sizes(cfg: Config) -> None:
+    """Megatron's model-parallel sizes (TP, PP, VPP, CP) a run can honour. The learner checks
+    the rest of strategy_config, and what needs the model's config.json (layers per virtual
+    stage), when it is built (`asyncrl.learner.megatron.args`)."""
+    train = cfg.actor_train
+    sc, name = train.strategy_args.strategy_config, train.strategy_args.strategy_name
+    where = "actor_train.strategy_args.strategy_config"
+    sizes = {}
+    for key in MEGATRON_SIZES:
+        value = sc.get(key)
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}.{key} must be a positive int, got {value!r}")
+        if value > 1 and name != "megatron_train":
+            raise ConfigError(f"{where}.{key}: {value} is a Megatron parallel size; {name} has "
+                              "no such parallelism (use megatron_train)")  # fmt: skip
+        sizes[key] = value
+    tp, pp, vpp, cp = (sizes[k] for k in MEGATRON_SIZES)
+    if vpp > 1 and pp < 2:
+        raise ConfigError(
+            f"{where}.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size "
+            ">= 2 (virtual stages interleave pipeline ranks)"
+        )
+    world = max(1, len(train.device_mapping))
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"actor_train.device_mapping has {world} device(s), not a multiple of tensor x "
+            f"pipeline x context parallel sizes ({tp} x {pp} x {cp})"
+        )
 
 
 def _check_unread(cfg: Config) -> None:
@@ -396,3 +562,52 @@ def _check_unread(cfg: Config) -> None:
                 f"{role}.model_args.attn_implementation: not read for {role} (the hf engine uses "
                 "its own batched attention; SGLang takes attention_backend in strategy_config)"
             )
+
+
+LORA_FIELDS = (
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "lora_target_exclude",
+    "use_rslora",
+)
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA is the fsdp2_train actor's (peft); the engines get the adapter by weight sync."""
+    defaults = ModelArgs()
+    for role in ("actor_infer", "reference", "critic"):
+        worker = getattr(cfg, role)
+        for name in LORA_FIELDS if worker is not None else ():
+            if getattr(worker.model_args, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"{role}.model_args.{name}: LoRA is set on actor_train only (the engines "
+                    "receive the adapter by weight sync; the critic and reference train none)"
+                )
+    args, path = cfg.actor_train.model_args, "actor_train.model_args"
+    if args.lora_rank < 0:
+        raise ConfigError(f"{path}.lora_rank: {args.lora_rank} is negative (0 turns LoRA off)")
+    if args.lora_rank == 0:
+        return
+    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
+        raise ConfigError(
+            f"{path}.lora_rank: LoRA needs the fsdp2_train learner, not "
+            f"{cfg.actor_train.strategy_args.strategy_name}"
+        )
+    _positive(f"{path}.lora_alpha", args.lora_alpha)
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ConfigError(f"{path}.lora_dropout: {args.lora_dropout} is not in [0, 1)")
+    targets = args.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(
+            f"{path}.target_modules: {targets!r} is neither all-linear nor a list of module names"
+        )
+    if isinstance(targets, list) and not (targets and all(targets)):
+        raise ConfigError(f"{path}.target_modules: the list must name at least one module")
+    infer = cfg.actor_infer.strategy_args.strategy_name
+    if cfg.weight_sync.lora_sync == "adapter" and infer != "hf_infer":
+        raise ConfigError(
+            f"weight_sync.lora_sync: adapter needs hf_infer engines; with {infer} use merge "
+            "(or auto), which syncs full weights with the adapter merged in"
+        )

@@ -3,151 +3,43 @@
 The same code drives a real SGLang server and asyncrl's hf server. Every call has a timeout;
 every reply is checked before it is trusted: a malformed reply raises `EngineReplyError` naming
 the engine URL and what is wrong, never a KeyError deep in the orchestrator.
+
+Weight updates follow the engine's reported version (`engine/versions.py`): `prepare_update`
+pauses, waits until a flush is accepted where the pause mode empties the engine, and opens a
+weight-update session where one is required; `finish_update` closes it, sets the version where
+the bucket's own is lost, and continues. Every generate request carries a prefix-cache
+namespace (SGLang's `extra_key`) named after the newest weight version this client has seen
+the engine report, so KV computed under old weights is never matched by requests of a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import aiohttp
 
-FINISH_TYPES = ("stop", "length", "abort")
+from asyncrl.engine.replies import (
+    FINISH_TYPES,
+    Completion,
+    EngineError,
+    EngineReplyError,
+    EngineTimeoutError,
+    GenerateRequest,
+    parse_completion,
+)
+from asyncrl.engine.versions import EngineProfile, profile_for
+
+__all__ = ["FINISH_TYPES", "Completion", "EngineClient", "EngineError", "EngineReplyError"]
+__all__ += ["EngineTimeoutError", "GenerateRequest", "cache_namespace", "parse_completion"]
+#: How often `prepare_update` asks for a cache flush while the engine drains.
+FLUSH_POLL_S = 0.2
 
 
-class EngineError(RuntimeError):
-    """An engine call failed (connection, HTTP status, or an explicit `success: false`)."""
-
-    def __init__(self, url: str, problem: str) -> None:
-        super().__init__(f"engine {url}: {problem}")
-        self.url = url
-        self.problem = problem
-
-
-class EngineReplyError(EngineError):
-    """The engine answered, but the reply breaks the protocol."""
-
-
-class EngineTimeoutError(EngineError):
-    """The engine did not answer within the call's timeout."""
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    input_ids: list[int]
-    sampling_params: dict = field(default_factory=dict)
-    rid: str | None = None
-    return_logprob: bool = True
-
-
-@dataclass(frozen=True)
-class Completion:
-    output_ids: list[int]
-    output_logprobs: list[float]  # empty when return_logprob was False
-    finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str  # as the engine reports it (SGLang versions are strings)
-    prompt_tokens: int
-    rid: str = ""
-    output_token_versions: list[str] | None = None  # asyncrl's hf server only
-
-    @property
-    def version(self) -> int | None:
-        """`weight_version` as an int: asyncrl sends ints; SGLang's initial "default" is 0."""
-        if self.weight_version == "default":
-            return 0
-        try:
-            return int(self.weight_version)
-        except ValueError:
-            return None
-
-    def token_versions(self) -> list[int]:
-        """The policy version of every output token.
-
-        asyncrl's hf server reports the version that sampled each token. SGLang reports one
-        version per request (the one current when it finished), so every token gets it; tokens
-        sampled before an in-place/retract weight update are then labelled with the newer
-        version (their logprobs are still the sampling policy's own).
-        """
-        if self.output_token_versions is not None:
-            return [_as_version(v) for v in self.output_token_versions]
-        if self.version is None:
-            raise ValueError(f"weight_version {self.weight_version!r} is not an integer version")
-        return [self.version] * len(self.output_ids)
-
-
-def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
-    """Check one /generate reply item and turn it into a Completion."""
-
-    def bad(problem: str) -> EngineReplyError:
-        return EngineReplyError(url, f"malformed /generate reply: {problem}")
-
-    if not isinstance(obj, dict):
-        raise bad(f"expected an object, got {type(obj).__name__}")
-    meta = obj.get("meta_info")
-    if not isinstance(meta, dict):
-        raise bad("missing meta_info")
-    out = obj.get("output_ids")
-    if not isinstance(out, list) or not all(_is_int(t) for t in out):
-        raise bad("output_ids missing or not a list of ints")
-    finish = meta.get("finish_reason")
-    if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
-        raise bad(f"finish_reason {finish!r} is not {{'type': stop|length|abort}}")
-    if "weight_version" not in meta:
-        raise bad("meta_info has no weight_version (SGLang older than 0.5?)")
-    prompt_tokens = meta.get("prompt_tokens")
-    if not _is_int(prompt_tokens):
-        raise bad("meta_info.prompt_tokens missing or not an int")
-    logprobs: list[float] = []
-    if want_logprob:
-        logprobs = _parse_logprobs(meta.get("output_token_logprobs"), out, bad)
-    versions = meta.get("output_token_weight_versions")
-    if versions is not None and (not isinstance(versions, list) or len(versions) != len(out)):
-        raise bad("output_token_weight_versions is not one version per output token")
-    if versions is not None and not all(_is_version(v) for v in versions):
-        raise bad("output_token_weight_versions holds a non-integer version")
-    return Completion(
-        output_ids=out,
-        output_logprobs=logprobs,
-        finish_reason=finish["type"],
-        weight_version=str(meta["weight_version"]),
-        prompt_tokens=prompt_tokens,
-        rid=str(meta.get("id", "")),
-        output_token_versions=[str(v) for v in versions] if versions is not None else None,
-    )
-
-
-def _is_version(v: object) -> bool:
-    return v == "default" or _is_int(v) or (isinstance(v, str) and v.lstrip("-").isdigit())
-
-
-def _as_version(v: str) -> int:
-    """SGLang's initial "default" counts as version 0."""
-    return 0 if v == "default" else int(v)
-
-
-def _parse_logprobs(entries: object, out: list[int], bad) -> list[float]:
-    if not isinstance(entries, list):
-        raise bad("return_logprob was set but output_token_logprobs is missing")
-    if len(entries) != len(out):
-        raise bad(f"{len(entries)} output_token_logprobs for {len(out)} output tokens")
-    lps = []
-    for i, e in enumerate(entries):
-        if not isinstance(e, list | tuple) or len(e) < 2:
-            raise bad(f"output_token_logprobs[{i}] is not (logprob, token_id, text)")
-        lp, tok = e[0], e[1]
-        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
-            raise bad(f"non-finite logprob {lp!r} at output position {i}")
-        if tok != out[i]:
-            raise bad(f"output_token_logprobs[{i}] is for token {tok!r}, output has {out[i]}")
-        lps.append(float(lp))
-    return lps
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def cache_namespace(version: int | None) -> str:
+    """The `extra_key` of requests started under weight `version` (None: not known yet)."""
+    return f"asyncrl-w{0 if version is None else version}"
 
 
 class EngineClient:
@@ -172,6 +64,8 @@ class EngineClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.seen_version: int | None = None  # newest weight version in this engine's replies
+        self._profile: EngineProfile | None = None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"
@@ -245,8 +139,12 @@ class EngineClient:
         }
         if req.rid is not None:
             body["rid"] = req.rid
+        body["extra_key"] = req.extra_key or cache_namespace(self.seen_version)
         data = await self._call_ok("POST", "/generate", body, self.timeout)
-        return parse_completion(self.url, data, req.return_logprob)
+        completion = parse_completion(self.url, data, req.return_logprob)
+        if completion.version is not None:
+            self.seen_version = max(self.seen_version or 0, completion.version)
+        return completion
 
     async def generate(self, requests: Sequence[GenerateRequest | dict]) -> list[Completion]:
         """One HTTP request per item, concurrently, so the engine batches them dynamically."""
@@ -265,6 +163,64 @@ class EngineClient:
         if status not in (200, 400):
             raise EngineError(self.url, f"/flush_cache answered HTTP {status}: {_one_line(data)}")
         return status == 200
+
+    async def profile(self) -> EngineProfile:
+        """The engine's weight-sync profile, from the version `/server_info` reports (older
+        servers: `/get_server_info`); asked once per client (a relaunch gets a new client)."""
+        if self._profile is None:
+            status, data = await self._call("GET", "/server_info")
+            if status != 200:
+                data = await self._call_ok("GET", "/get_server_info")
+            if not isinstance(data, dict) or not isinstance(data.get("version"), str):
+                raise EngineReplyError(self.url, f"server info has no version: {_one_line(data)}")
+            self._profile = profile_for(data["version"])
+        return self._profile
+
+    async def begin_weight_update(self) -> str:
+        return await self._call_success("/begin_weight_update", {}, None)
+
+    async def end_weight_update(self) -> str:
+        return await self._call_success("/end_weight_update", {}, None)
+
+    async def prepare_update(self, pause_mode: str | None, timeout_s: float) -> None:
+        """Before the buckets: pause (unless None); flush once the engine is idle, where the
+        pause mode lets it become idle (never in in_place: its paused requests keep their KV,
+        and the cache namespace keeps it apart); open the weight-update session if required."""
+        profile = await self.profile()
+        if pause_mode:
+            await self.pause(pause_mode)
+        if pause_mode in profile.flush_modes:
+            await self._flush_when_idle(timeout_s)
+        if profile.session:
+            try:
+                await self.begin_weight_update()
+            except EngineError as e:
+                if "already open" not in e.problem:
+                    raise
+                # left open by a sync that failed half-way: close it, then start afresh
+                await self.end_weight_update()
+                await self.begin_weight_update()
+
+    async def finish_update(self, version: int, pause_mode: str | None) -> None:
+        """After the last bucket: close the session, make sure the engine reports `version`
+        (0.5.6 drops the last bucket's version while paused), then continue (if paused)."""
+        profile = await self.profile()
+        if profile.session:
+            await self.end_weight_update()
+        if profile.explicit_version:
+            await self.update_weight_version(version)
+        if pause_mode:
+            await self.resume()
+
+    async def _flush_when_idle(self, timeout_s: float) -> None:
+        """Poll /flush_cache until accepted (slime's way): an abort/retract pause returns before
+        the scheduler has let go of every request."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.flush_cache():
+            if loop.time() >= deadline:
+                raise EngineError(self.url, f"/flush_cache refused for {timeout_s:g}s while paused")
+            await asyncio.sleep(FLUSH_POLL_S)
 
     async def health(self, timeout_s: float | None = None) -> bool:
         """True iff /health_generate answers 200 within `timeout_s` (default: the control
@@ -296,6 +252,7 @@ class EngineClient:
         backend: str = "nccl",
         timeout_s: float | None = None,
     ) -> str:
+        await self.profile()  # the engine's sync steps are known before the first sync
         body = {
             "master_address": master_address,
             "master_port": master_port,
@@ -333,9 +290,28 @@ class EngineClient:
         body = {"group_name": group_name}
         return await self._call_success("/destroy_weights_update_group", body, None)
 
+    # ---- LoRA adapters (SGLang's native path; needs an engine launched with --enable-lora) ----
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
+        """POST /load_lora_adapter: the engine loads the PEFT adapter directory `lora_path` (a
+        path on the engine's host) under `lora_name`, which /generate selects by `lora_path`."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        await self._lora_call("/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """POST /unload_lora_adapter: drop adapter `lora_name` from the engine."""
+        await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _lora_call(self, path: str, body: dict) -> None:
+        """SGLang answers these with `LoRAUpdateOutput`: {success, error_message, ...}."""
+        _, data = await self._call("POST", path, body, None)
+        if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
+            raise EngineReplyError(self.url, f"{path} reply lacks success: {_one_line(data)}")
+        if not data["success"]:
+            raise EngineError(self.url, f"{path} failed: {_one_line(data.get('error_message'))}")
+
 
 def _request_from_dict(url: str, d: dict) -> GenerateRequest:
-    unknown = set(d) - {"input_ids", "sampling_params", "rid", "return_logprob"}
+    unknown = set(d) - {"input_ids", "sampling_params", "rid", "return_logprob", "extra_key"}
     if unknown or "input_ids" not in d:
         raise ValueError(
             f"generate request for {url}: bad keys {sorted(unknown) or 'no input_ids'}"
@@ -345,6 +321,7 @@ def _request_from_dict(url: str, d: dict) -> GenerateRequest:
         sampling_params=dict(d.get("sampling_params") or {}),
         rid=d.get("rid"),
         return_logprob=bool(d.get("return_logprob", True)),
+        extra_key=d.get("extra_key"),
     )
 
 

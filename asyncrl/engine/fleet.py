@@ -18,9 +18,9 @@ import asyncio
 import concurrent.futures
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from asyncrl.config.schema import WeightSyncConfig, WorkerConfig
 from asyncrl.device import DeviceSpec, resolve_backend
@@ -217,10 +217,16 @@ class EngineFleet:
         """Broadcast `source`'s weights into every engine at its version; timing metrics."""
         import torch
 
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.infer.model_args.dtype)
+        # The engines' dtype (hf_infer serves fp32 unless told; SGLang's own default is the
+        # model's torch_dtype, and it casts what it is sent): a learner in another one is cast
+        # on the way, never refused by an engine's dtype check.
+        served = self.infer.model_args.dtype or (
+            "fp32" if self.infer.strategy_args.strategy_name == "hf_infer" else None
+        )
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(served)
         stats = self.runner.run(
             self.sender.sync(
-                source.weights_for_sync(),
+                self._tensors(source),
                 source.version,
                 bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
                 load_format=self._load_format(),
@@ -234,8 +240,21 @@ class EngineFleet:
             "sync/seconds": stats.seconds,
             "sync/gb_per_s": stats.gb_per_s,
             "sync/buckets": float(stats.buckets),
+            "sync/bytes": float(stats.bytes),
         }
         return dict(self.last_sync)
+
+    def _tensors(self, source: WeightSource) -> Iterable[tuple[str, Any]]:
+        """What a sync sends: a LoRA learner's adapter alone where `weight_sync.lora_sync`
+        says so (auto: on hf_infer, the engine that loads adapters), else full weights (with
+        LoRA, merged: `weights_for_sync`)."""
+        mode = self.ws.lora_sync
+        if mode == "auto":
+            hf = self.infer.strategy_args.strategy_name == "hf_infer"
+            mode = "adapter" if hf else "merge"
+        adapter_for_sync = getattr(source, "adapter_for_sync", None)
+        adapter = adapter_for_sync() if mode == "adapter" and adapter_for_sync else None
+        return adapter if adapter is not None else source.weights_for_sync()
 
     def _load_format(self) -> str | None:
         fmt = self.ws.load_format

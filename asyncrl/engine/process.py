@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,9 @@ class ServerHandle:
     proc: subprocess.Popen
     url: str
     log_path: Path
+    scratch: Path | None = None
+    """A directory made for this server alone (its log, when no log dir was given): removed
+    once the server is stopped or killed."""
 
     @property
     def owned(self) -> bool:
@@ -100,6 +104,8 @@ class ServerHandle:
             return
         self._signal_group(signal.SIGKILL)
         self.proc.wait()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _signal_group(self, sig: int) -> None:
         try:  # the group id is the server's pid (process_group=0 at launch)

@@ -56,6 +56,12 @@ OWN_KEYS = ("server_urls", "router", "router_policy", "router_args", "launch_tim
 OWN_KEYS += ("env", "api_key")
 RESERVED = ("model_path", "port", "tp_size", "tp", "tensor_parallel_size")
 RENAMED = {"max_model_len": "context_length"}
+#: Parallelism SGLang's distributed weight update cannot serve: it asserts dp_size == 1, and the
+#: update group places engine ranks at rank_offset + tp_rank only (no pipeline stages).
+SINGLE_ONLY = {
+    "dp_size": "dp_size", "dp": "dp_size", "data_parallel_size": "dp_size",
+    "pp_size": "pp_size", "pp": "pp_size", "pipeline_parallel_size": "pp_size",
+}  # fmt: skip
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -87,6 +93,13 @@ class SGLangSettings:
                 f"actor_infer.strategy_args.strategy_config.{bad[0]} is set by asyncrl "
                 "(tensor-parallel size comes from actor_infer.num_gpus_per_worker)"
             )
+        for key in sorted(k for k in flags if k in SINGLE_ONLY):
+            if flags[key] not in (None, 1):
+                raise SGLangConfigError(
+                    f"actor_infer.strategy_args.strategy_config.{key}={flags[key]!r}: SGLang's "
+                    f"weight update from the learner needs {SINGLE_ONLY[key]} 1 (use more engines "
+                    "for more replicas)"
+                )
         if dtype and "dtype" not in flags:
             flags["dtype"] = DTYPES.get(dtype, dtype)
         urls = own.get("server_urls") or []
@@ -146,10 +159,18 @@ def server_command(
 def router_command(
     worker_urls: Sequence[str], port: int, settings: SGLangSettings, api_key: str | None = None
 ) -> list[str]:
-    """`python -m sglang_router.launch_router --worker-urls ... --policy ...`."""
+    """`python -m sglang_router.launch_router --worker-urls ... --policy ...`.
+
+    Its Prometheus exporter binds `host` (loopback by default) on a free port unless
+    `router_args` say otherwise: sglang-router's default, 0.0.0.0:29000, exposes the metrics
+    and makes a second router on the host fail to start."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
-    return cmd + to_flags(settings.router_args) + (["--api-key", api_key] if api_key else [])
+    args = dict(settings.router_args)
+    args.setdefault("prometheus_host", settings.host)
+    if "prometheus_port" not in args:
+        args["prometheus_port"] = free_port(settings.host)
+    return cmd + to_flags(args) + (["--api-key", api_key] if api_key else [])
 
 
 def engine_devices(device_mapping: Sequence[int], tp_size: int) -> list[list[int]]:
@@ -223,6 +244,12 @@ def attach(url: str, timeout_s: float, tp_size: int, api_key: str | None = None)
             f"attached sglang server {url} runs tp_size={info['tp_size']}, but "
             f"actor_infer.num_gpus_per_worker={tp_size}: the weight-update group needs them equal"
         )
+    for key in ("dp_size", "pp_size"):
+        if isinstance(info, dict) and info.get(key) not in (None, 1):
+            raise EngineLaunchError(
+                f"attached sglang server {url} runs {key}={info[key]}: SGLang's weight update "
+                f"from the learner needs {key} 1"
+            )
     return handle
 
 

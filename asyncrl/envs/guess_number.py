@@ -5,6 +5,11 @@ guess (so fewer guesses score more when it is non-zero), `invalid_reward` for a 
 number in range (it counts as a guess). The feedback texts are configurable and may name the
 guess (`higher: "{guess}+?="`), so that a raw-text model sees its own kind of prompt.
 
+Set `invalid_reward` below a wrong guess's score for RL: at 0 an empty or malformed answer
+scores like a wrong guess, so a policy that answers an immediate EOS every turn gets the same
+return as one still trying, every group's advantages are 0 and nothing moves it out of that
+state (issue 18; configs/agentic_guess_number.yaml uses -0.1).
+
 The optimal policy is binary search, a fixed decision tree over the feedback, which makes the
 environment learnable by a very small model: the first guess has one best answer, the second
 one per feedback word, and so on.

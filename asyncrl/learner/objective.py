@@ -15,13 +15,24 @@ from typing import Any
 
 import torch
 
-from asyncrl.algo.advantages import AdvantageParams, batch_outcome_advantages, estimator_stage
+from asyncrl.algo.advantages import (
+    AdvantageParams,
+    batch_token_advantages,
+    estimator_stage,
+    outcome_token_rewards,
+)
 from asyncrl.algo.importance import (
     RolloutIS,
     apply_rollout_is,
     normalize_weights_to_batch_mean,
 )
-from asyncrl.algo.kl import entropy_bonus, kl_loss
+from asyncrl.algo.kl import (
+    FixedKLController,
+    apply_kl_penalty,
+    entropy_bonus,
+    kl_loss,
+    make_kl_controller,
+)
 from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams
 from asyncrl.algo.rejection import rejection_mask
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig, TrainingArgs
@@ -57,39 +68,100 @@ def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Call
     return factor
 
 
-def check_estimator(alg: AlgorithmConfig) -> None:
-    """Refuse, when the learner is built, an estimator the loop cannot compute (gae: there is no
+def check_estimator(alg: AlgorithmConfig, has_critic: bool = False) -> None:
+    """Refuse, when the learner is built, an estimator the loop cannot compute (gae without a
     critic), rather than train on the zero advantages that collation fills in."""
-    if estimator_stage(alg.adv_estimator) == "critic":
+    if estimator_stage(alg.adv_estimator) == "critic" and not has_critic:
         raise ValueError(
-            f"algorithm.adv_estimator: {alg.adv_estimator} needs a critic (value model), which "
-            "asyncrl does not have yet"
+            f"algorithm.adv_estimator: {alg.adv_estimator} needs a critic (value model): set a "
+            "critic section (fsdp2_train learner)"
         )
 
 
+def check_learner_side(alg: AlgorithmConfig, has_critic: bool, world_size: int) -> None:
+    """What `config validate` refuses about the critic and KL-in-reward, refused again where a
+    learner is built from code: both need the whole batch in one process (one device), a
+    critic only serves gae, and KL-in-reward needs an estimator the learner computes."""
+    check_estimator(alg, has_critic)
+    if has_critic and estimator_stage(alg.adv_estimator) != "critic":
+        raise ValueError(f"critic: set, but algorithm.adv_estimator {alg.adv_estimator} reads "
+                         "no values (only gae does)")  # fmt: skip
+    if alg.use_kl_in_reward and estimator_stage(alg.adv_estimator) == "rollout":
+        raise ValueError(f"algorithm.use_kl_in_reward: {alg.adv_estimator} is computed in the "
+                         "rollout workers; use reinforce_plus_plus(_baseline) or gae")  # fmt: skip
+    if (has_critic or alg.use_kl_in_reward) and world_size > 1:
+        raise ValueError("a critic or algorithm.use_kl_in_reward with a data-parallel "
+                         "actor_train is not available yet: use one device")  # fmt: skip
+
+
+def batch_advantages(
+    alg: AlgorithmConfig,
+    data: dict[str, torch.Tensor],
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The [B, R] advantages the policy loss uses for the whole collated batch `data` (see
+    `advantages_and_returns`)."""
+    return advantages_and_returns(alg, data, token_rewards, values)[0]
+
+
 @torch.no_grad()
-def batch_advantages(alg: AlgorithmConfig, data: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The [B, R] advantages the policy loss uses for the whole collated batch `data`.
+def advantages_and_returns(
+    alg: AlgorithmConfig,
+    data: dict[str, torch.Tensor],
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R] (advantages, returns) of the whole collated batch `data`.
 
     Group estimators (grpo, drgrpo, rloo) came with the groups from the rollout: returned as
-    collated. Batch estimators (REINFORCE++ and its baseline variant) are computed here from
-    each row's reward (a response's score or an episode's return) and the loss mask, groups
-    given by `group_index`; the caller runs this on the full batch, before sharding rows over
-    ranks or mini-batches, so every mini-batch sees the batch-level whitening. The mask is the
-    collated loss mask, before rejection sampling narrows it (group advantages are computed
-    before it too). Advantages a group carried for a batch estimator are replaced.
+    collated (as the returns too). Batch estimators (REINFORCE++ and its baseline variant) and
+    gae (with the critic's `values`) are computed here, through `compute_advantages`, from the
+    token rewards: `token_rewards` when given (KL-in-reward), else each row's reward (a
+    response's score or an episode's return) on its last valid token (verl's placement). Groups
+    are given by `group_index`; the caller runs this on the full batch, before sharding rows
+    over ranks or mini-batches, so every mini-batch sees the batch-level whitening. The mask is
+    the collated loss mask, before rejection sampling narrows it (group advantages are
+    computed before it too). Advantages a group carried for a batch estimator are replaced.
     """
-    stage = estimator_stage(alg.adv_estimator)
-    if stage == "rollout":
-        return data["advantages"]
-    check_estimator(alg)
+    if estimator_stage(alg.adv_estimator) == "rollout":
+        return data["advantages"], data["advantages"]
+    check_estimator(alg, has_critic=values is not None)
     params = AdvantageParams(
         gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo
     )
-    adv = batch_outcome_advantages(
-        alg.adv_estimator, data["rewards"], data["response_mask"], data["group_index"], params
+    mask = data["response_mask"]
+    if token_rewards is None:
+        token_rewards = outcome_token_rewards(data["rewards"].to(torch.float64), mask > 0)
+    adv, returns = batch_token_advantages(
+        alg.adv_estimator, token_rewards, mask, data["group_index"], params, values
     )
-    return adv.to(data["advantages"].dtype)
+    dtype = data["advantages"].dtype
+    return adv.to(dtype), returns.to(dtype)
+
+
+def kl_controller(alg: AlgorithmConfig) -> FixedKLController | None:
+    """The KL-in-reward coefficient's controller (`algorithm.kl_ctrl`); None when off."""
+    if not alg.use_kl_in_reward:
+        return None
+    ctrl = alg.kl_ctrl
+    return make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+
+
+def kl_reward(
+    alg: AlgorithmConfig,
+    controller: FixedKLController,
+    token_rewards: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's KL-in-reward: the token rewards minus beta · kl(old, ref) with the controller's
+    current beta, then the controller's update from this batch's KL (n = its rows)."""
+    beta = controller.value
+    rewards, current = apply_kl_penalty(token_rewards, old, ref, mask, beta, alg.kl_penalty)
+    controller.update(current, n_steps=int(mask.shape[0]))
+    return rewards, {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta}
 
 
 def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -171,8 +243,11 @@ def objective(
     metrics = {f"actor/{k}": v for k, v in raw.items()}
     metrics["actor/pg_loss"] = float(loss.detach())
     if entropy is not None:
+        # Always reported (a collapsing policy shows here first); it enters the loss only with a
+        # non-zero coefficient, so a backend may pass a detached entropy when the coefficient is 0.
         bonus, mean_entropy = entropy_bonus(entropy, mask, actor.entropy_coeff, actor.loss_agg_mode)
-        loss = loss + bonus
+        if actor.entropy_coeff != 0:
+            loss = loss + bonus
         metrics["actor/entropy"] = mean_entropy
     if batch.get("ref") is not None:
         kl = kl_loss(logp, batch["ref"], mask, actor.kl_loss_type, actor.loss_agg_mode)

@@ -1,6 +1,8 @@
 """The KL reference policy (ROLL's `reference` worker), as the learner backends read it.
 
-`actor.use_kl_loss` adds `kl_loss_coef · KL(π || π_ref)` to the policy loss. π_ref is
+`actor.use_kl_loss` adds `kl_loss_coef · KL(π || π_ref)` to the policy loss, and
+`algorithm.use_kl_in_reward` subtracts `beta · kl(π_old, π_ref)` from every token's reward
+(fsdp2_train). π_ref is
 
 - with `reference: null`, a frozen copy of the initial actor (the learner's own weights when it
   is built, before any update);
@@ -46,17 +48,18 @@ def reference_spec(
     reference: WorkerConfig | None,
     actor_path: str | Path,
     train: WorkerConfig,
-    use_kl_loss: bool,
+    uses_reference: bool,
 ) -> ReferenceSpec | None:
     """The reference to load for `actor_train` (`train`, model at `actor_path`), or None for
-    the frozen initial actor. Refuses a section nothing would read or that the learner cannot
+    the frozen initial actor; `uses_reference`: use_kl_loss or use_kl_in_reward is on.
+    Refuses a section nothing would read or that the learner cannot
     place, and a model whose vocabulary differs from the actor's."""
     if reference is None:
         return None
-    if not use_kl_loss:
+    if not uses_reference:
         raise ReferenceConfigError(
-            "reference: set, but actor.use_kl_loss is false (only the KL loss reads the "
-            "reference policy)"
+            "reference: set, but actor.use_kl_loss is false and so is "
+            "algorithm.use_kl_in_reward (only they read the reference policy)"
         )
     mapping, train_mapping = list(reference.device_mapping), list(train.device_mapping)
     if mapping and mapping != train_mapping:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncrl.metrics.collapse import length_metrics
 from asyncrl.metrics.episodes import episode_metrics
 from asyncrl.types import TrajectoryGroup
 
@@ -51,6 +52,7 @@ class BatchMetrics:
         for lag, count in Counter(lags).items():
             out[f"replay/staleness_hist/{lag}"] = float(count)
         out.update(episode_metrics(groups))
+        out.update(length_metrics(groups))  # p10/p50/p90: a collapse to one length shows
         return out
 
 

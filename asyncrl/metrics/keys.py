@@ -18,7 +18,13 @@ Staleness histogram, two accepted forms (the first wins when both appear in a ru
       `ReplayQueue.metrics()` reports it under the `replay/` prefix); the latest value counts.
 
 Cumulative counters (latest value counts, as `ReplayQueue.metrics()` reports them):
-  `replay/taken` (groups trained), `replay/evicted` (groups dropped as too stale).
+  `replay/taken` (groups trained), `replay/evicted` (groups dropped as too stale),
+  `replay/over_bound` (groups trained staler than max_staleness: stale policies wait, correct),
+  `replay/generated_length_mean`, `replay/trained_length_mean` and `replay/length_ratio`
+  (trained ÷ generated mean response length: 1.0 = no length bias from staleness).
+
+Evaluation (`eval/*`) runs off the training loop; it lands in the row of the step whose
+weights it measured, that row being written once it lands (`metrics/deferred.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ STALENESS_HIST = "replay/staleness_hist/"
 LAG_TAKEN = "replay/lag_taken/"
 TAKEN = "replay/taken"
 EVICTED = "replay/evicted"
+LENGTH_RATIO = "replay/length_ratio"
+OVER_BOUND = "replay/over_bound"
 
 #: Series the logger keeps in memory for plots and the summary (everything else is only
 #: written to the sinks and remembered as its latest value).

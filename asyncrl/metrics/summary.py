@@ -57,6 +57,8 @@ def summarize(history: History, wall_time_s: float) -> dict[str, Any]:
         "sync_seconds_mean": _mean(history.values(keys.SYNC_SECONDS)),
         "groups_trained": _groups_trained(history, hist),
         "groups_evicted": history.latest_finite(keys.EVICTED),
+        "groups_over_bound": history.latest_finite(keys.OVER_BOUND),
+        "length_ratio": history.latest_finite(keys.LENGTH_RATIO),
         "mismatch_kl_mean": _mean(history.values(keys.MISMATCH_KL)),
         "staleness_hist": {str(k): n for k, n in hist.items()},
     }
@@ -87,6 +89,8 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("sync seconds (mean)", _num(s["sync_seconds_mean"], ".3f")),
         ("groups trained", _num(s["groups_trained"], ".0f")),
         ("groups evicted", _num(s["groups_evicted"], ".0f")),
+        ("groups trained past max_staleness", _num(s["groups_over_bound"], ".0f")),
+        ("trained ÷ generated length", _num(s["length_ratio"], ".3f")),
         ("mismatch KL (mean)", _num(s["mismatch_kl_mean"], ".2e")),
         ("staleness k:groups", " ".join(f"{k}:{n}" for k, n in s["staleness_hist"].items()) or "-"),
     ]

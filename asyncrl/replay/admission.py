@@ -29,6 +29,16 @@ Counts (groups; one prompt = one group):
   which only lowers capacity. With ``max_staleness = 0`` exactly one batch is admitted per
   version (synchronous RL).
 
+The ``wait`` stale policy (`wait=True`) adds one gate on top: a prompt started (issued to a
+worker) at version a yields a group no fresher than a, trained at the earliest at v + 1 when
+the learner at v takes its next batch; it would exceed the bound when ``v + 1 − a >
+max_staleness``. While such a prompt is on a worker or in transit (`stale_in_flight`),
+admission starts no new prompt (capacity 0) and the learner must not take a batch
+(`ReplayQueue.take`): the engines finish it, it is trained within the bound, nothing is
+discarded. Pending prompts do not count: they start afresh at the version they are issued at.
+The gate reopens once it is delivered (not once trained: the batch that trains it may need
+fresh prompts to fill, so waiting longer could deadlock).
+
 Thread-safe: one lock (re-entrant, so the replay queue shares it and calls in while holding it).
 A payload is a plain dict describing the prompt, with its key under ``"key"``; replay never
 looks further inside it.
@@ -53,6 +63,7 @@ class ReplayError(ValueError):
 class _Entry:
     payload: Payload
     worker: int | None = None  # the worker running it; None while pending or in transit
+    started: int | None = None  # the version it was last issued at; None while pending
 
 
 class InFlightLedger:
@@ -79,13 +90,13 @@ class InFlightLedger:
     def pending(self) -> int:
         return len(self._pending)
 
-    def issue(self, worker: int, n: int) -> list[Payload]:
-        """The n oldest pending prompts, now on `worker`."""
+    def issue(self, worker: int, n: int, version: int = 0) -> list[Payload]:
+        """The n oldest pending prompts, now on `worker`, started at `version`."""
         out = []
         while len(out) < n and self._pending:
             key, _ = self._pending.popitem(last=False)
             entry = self._entries[key]
-            entry.worker = worker
+            entry.worker, entry.started = worker, version
             self._load[worker] += 1
             out.append(entry.payload)
         return out
@@ -104,7 +115,9 @@ class InFlightLedger:
         it (delivered meanwhile) are skipped. Returns how many went back."""
         moved = 0
         for key in keys:
-            if self._off_worker(key, worker) is not None:
+            entry = self._off_worker(key, worker)
+            if entry is not None:
+                entry.started = None  # re-issued from scratch: it starts again
                 self._pending[key] = None
                 moved += 1
         return moved
@@ -128,6 +141,11 @@ class InFlightLedger:
         """Prompts on each of workers 0 .. workers-1."""
         return [self._load[w] for w in range(workers)]
 
+    def oldest_start(self) -> int | None:
+        """The lowest version a prompt on a worker or in transit started at (None: none)."""
+        starts = [e.started for e in self._entries.values() if e.started is not None]
+        return min(starts, default=None)
+
     def payloads(self) -> list[Payload]:
         """Every outstanding prompt, pending first (re-issue order), then in admission order."""
         ahead = [self._entries[k].payload for k in self._pending]
@@ -144,8 +162,9 @@ class Admission:
         rollout_batch_size: int,
         version: int = 0,
         lock: threading.RLock | None = None,
+        wait: bool = False,
     ) -> None:
-        self.max_staleness, self.batch = max_staleness, rollout_batch_size
+        self.max_staleness, self.batch, self.wait = max_staleness, rollout_batch_size, wait
         self._lock = lock if lock is not None else threading.RLock()
         self._version = version
         self.accepted = 0
@@ -153,6 +172,11 @@ class Admission:
         self.ledger = InFlightLedger()
 
     # -- the rule -----------------------------------------------------------------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every call takes: hold it to count capacity and reserve as one step."""
+        return self._lock
+
     @property
     def version(self) -> int:
         return self._version
@@ -171,9 +195,18 @@ class Admission:
         return len(self.ledger)
 
     def capacity(self) -> int:
-        """How many prompts may start now (never negative)."""
+        """How many prompts may start now (never negative; 0 while the wait gate is closed)."""
         with self._lock:
+            if self.wait and self.stale_in_flight():
+                return 0
             return max(0, self.budget() - (self.accepted + len(self.ledger)))
+
+    def stale_in_flight(self) -> bool:
+        """Whether a prompt on a worker or in transit would exceed the bound if the learner
+        took one more batch first (`v + 1 − started > max_staleness`; see the module doc)."""
+        with self._lock:
+            oldest = self.ledger.oldest_start()
+            return oldest is not None and self._version + 1 - oldest > self.max_staleness
 
     def reserve(
         self, k: int, prompt_keys: Sequence[str], payloads: Sequence[Payload] | None = None
@@ -203,7 +236,7 @@ class Admission:
 
     def issue(self, worker: int, n: int) -> list[Payload]:
         with self._lock:
-            return self.ledger.issue(worker, n)
+            return self.ledger.issue(worker, n, self._version)
 
     def requeue(self, keys: Iterable[str], worker: int) -> int:
         with self._lock:
@@ -238,7 +271,7 @@ class Admission:
     # -- observability and checkpoint ---------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            return {
+            out = {
                 "version": self._version,
                 "running": len(self.ledger),
                 "accepted": self.accepted,
@@ -246,6 +279,9 @@ class Admission:
                 "budget": self.budget(),
                 "unreserved": self.unreserved,
             }
+            if self.wait:  # 1 while the wait gate holds admission and the learner
+                out["stale_in_flight"] = int(self.stale_in_flight())
+            return out
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: version, counters and the ledger's payloads (pending first)."""
@@ -258,10 +294,12 @@ class Admission:
             }
 
     @classmethod
-    def from_state(cls, max_staleness: int, batch: int, state: dict[str, Any]) -> Admission:
+    def from_state(
+        cls, max_staleness: int, batch: int, state: dict[str, Any], wait: bool = False
+    ) -> Admission:
         """A new Admission from `state_dict()`; every outstanding prompt is pending (re-issued
         first). Raises KeyError / TypeError / ValueError on a malformed state."""
-        fresh = cls(max_staleness, batch, int(state["version"]))
+        fresh = cls(max_staleness, batch, int(state["version"]), wait=wait)
         fresh.accepted, fresh.unreserved = int(state["accepted"]), int(state["unreserved"])
         for payload in state["outstanding"]:
             key = payload["key"]

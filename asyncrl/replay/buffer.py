@@ -1,6 +1,7 @@
 """The group buffer: finished trajectory groups waiting for the learner, oldest first.
 
-It evicts groups staler than the bound, refuses duplicate group ids (a re-issued prompt
+It evicts groups staler than its eviction bound (the stale policy's: `max_staleness` for
+evict, `max_staleness_hard` for correct, none for wait), refuses duplicate group ids (a re-issued prompt
 delivered twice), counts what happened to every group, and stores its groups at rest as the
 wire codec's frames (`group_to_bytes`), so a checkpointed group is read back exactly as one
 off the wire. Not locked: `ReplayQueue` serialises every call.
@@ -8,8 +9,11 @@ off the wire. Not locked: `ReplayQueue` serialises every call.
 Invariants (counts are groups; duplicates are refused and are not puts):
 
 - Conservation: ``put = taken + evicted + filtered + depth``.
-- Every taken group has staleness ``version − group.min_version() ≤ max_staleness``; a group
-  with no generated token (``min_version() == NOT_GENERATED``) has staleness 0.
+- Every taken group has staleness ``version − group.min_version() ≤ max_staleness`` (the
+  eviction bound; none: any); a group with no generated token (``min_version() ==
+  NOT_GENERATED``) has staleness 0.
+- Length bias, exact: ``generated_*`` counts the responses of every put group (filtered and
+  evicted ones too), ``trained_*`` those of taken groups; their means' ratio is the bias.
 """
 
 from __future__ import annotations
@@ -42,16 +46,28 @@ def _born(group: TrajectoryGroup) -> int | None:
 
 
 class GroupBuffer:
-    """Staleness-bounded FIFO of `TrajectoryGroup`s with a dedup window and counters."""
+    """Staleness-bounded FIFO of `TrajectoryGroup`s with a dedup window and counters.
+
+    `max_staleness`: the eviction bound (None: never evict). `stalest_first`: `take` returns the
+    groups with the oldest tokens first (arrival order among equals) instead of arrival order,
+    so a group admitted past the soft bound is trained before it ages further."""
 
     def __init__(
-        self, max_staleness: int, filter_names: Sequence[str] = (), dedup_window: int | None = None
+        self,
+        max_staleness: int | None,
+        filter_names: Sequence[str] = (),
+        dedup_window: int | None = None,
+        stalest_first: bool = False,
     ) -> None:
         self.max_staleness, self.dedup_window = max_staleness, dedup_window
+        self.stalest_first = stalest_first
         self._groups: deque[tuple[int | None, TrajectoryGroup]] = deque()  # (born, group)
         self._ids: set[str] = set()
         self._seen: OrderedDict[str, None] = OrderedDict()  # dedup window
         self.counts = Counter(put=0, taken=0, evicted=0, duplicates=0)
+        for key in ("generated_responses", "generated_tokens", "trained_responses"):
+            self.counts[key] = 0
+        self.counts["trained_tokens"] = 0
         self.filtered: Counter[str] = Counter(dict.fromkeys(filter_names, 0))
         self.lag_taken: Counter[int] = Counter()
         self.evicted_ids: deque[str] = deque(maxlen=RECENT_EVICTED)
@@ -69,11 +85,13 @@ class GroupBuffer:
             raise DuplicateGroupError(f"replay: group {gid!r} was already put; rejected")
         self._remember(gid)
         self.counts["put"] += 1
+        self.counts["generated_responses"] += group.n
+        self.counts["generated_tokens"] += group.num_tokens
         if dropped_by is not None:
             self.filtered[dropped_by] += 1
             return False
         born = _born(group)
-        if born is not None and born < version - self.max_staleness:
+        if born is not None and self._too_stale(born, version):
             self.counts["evicted"] += 1
             self.evicted_ids.append(gid)
             return False
@@ -88,14 +106,16 @@ class GroupBuffer:
         if self.dedup_window is not None and len(self._seen) > self.dedup_window:
             self._seen.popitem(last=False)
 
+    def _too_stale(self, born: int, version: int) -> bool:
+        return self.max_staleness is not None and born < version - self.max_staleness
+
     def evict_stale(self, version: int) -> int:
         """Drop every buffered group staler than the bound at `version`; returns how many."""
-        oldest_ok = version - self.max_staleness
-        if all(born is None or born >= oldest_ok for born, _ in self._groups):
+        if all(born is None or not self._too_stale(born, version) for born, _ in self._groups):
             return 0
         keep: deque[tuple[int | None, TrajectoryGroup]] = deque()
         for born, group in self._groups:
-            if born is None or born >= oldest_ok:
+            if born is None or not self._too_stale(born, version):
                 keep.append((born, group))
                 continue
             self._ids.discard(group.group_id)
@@ -106,14 +126,20 @@ class GroupBuffer:
         return evicted
 
     def take(self, n: int, version: int) -> list[TrajectoryGroup] | None:
-        """The n oldest groups (call `evict_stale(version)` first), or None if fewer are here."""
+        """The n first groups in take order (call `evict_stale(version)` first), or None if
+        fewer are here."""
         if len(self._groups) < n:
             return None
+        if self.stalest_first:  # stable: arrival order among groups born at one version
+            order = sorted(self._groups, key=lambda bg: version if bg[0] is None else bg[0])
+            self._groups = deque(order)
         out = []
         for _ in range(n):
             born, group = self._groups.popleft()
             self._ids.discard(group.group_id)
             self.lag_taken[0 if born is None else version - born] += 1
+            self.counts["trained_responses"] += group.n
+            self.counts["trained_tokens"] += group.num_tokens
             out.append(group)
         self.counts["taken"] += n
         return out
@@ -137,6 +163,18 @@ class GroupBuffer:
         out.update({f"lag_taken/{k}": v for k, v in sorted(self.lag_taken.items())})
         total_lag = sum(k * v for k, v in self.lag_taken.items())
         out["lag_taken_mean"] = total_lag / c["taken"] if c["taken"] else 0.0
+        out.update(self.length_bias())
+        return out
+
+    def length_bias(self) -> dict[str, float]:
+        """Mean response length of generated (every put group) and trained (taken) responses
+        over the run, and trained ÷ generated (1.0: no length bias; absent until both exist)."""
+        c = self.counts
+        gen = c["generated_tokens"] / c["generated_responses"] if c["generated_responses"] else 0.0
+        trained = c["trained_tokens"] / c["trained_responses"] if c["trained_responses"] else 0.0
+        out = {"generated_length_mean": gen, "trained_length_mean": trained}
+        if gen and trained:
+            out["length_ratio"] = trained / gen
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,14 +192,15 @@ class GroupBuffer:
     @classmethod
     def from_state(
         cls,
-        max_staleness: int,
+        max_staleness: int | None,
         filter_names: Sequence[str],
         dedup_window: int | None,
         state: dict[str, Any],
+        stalest_first: bool = False,
     ) -> GroupBuffer:
         """A new buffer from `state_dict()`. Raises KeyError / TypeError / ValueError
         (DecodeError included) on a malformed state."""
-        fresh = cls(max_staleness, filter_names, dedup_window)
+        fresh = cls(max_staleness, filter_names, dedup_window, stalest_first)
         for data in state["groups"]:
             group = group_from_bytes(data)
             if group.group_id in fresh._ids:

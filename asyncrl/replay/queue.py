@@ -7,6 +7,18 @@ group into the buffer (`buffer.py`), which tells admission what became of it; th
 `set_version` opens admission for the next version. The invariants live with their owners:
 the budget in `admission.py`, conservation and staleness in `buffer.py`; the two meet in
 ``accepted = taken + depth``, checked when a state is loaded.
+
+What happens to a group that would exceed `max_staleness` is the stale policy's
+(`ReplayConfig.stale_policy`):
+
+- ``evict``: it is evicted (on arrival or once it ages past the bound) and its admission slot
+  reopens, so a fresh prompt replaces it. Take order: arrival.
+- ``wait``: nothing is evicted. Admission starts no new prompt and `take` hands out no batch
+  while a prompt in flight would be over the bound if the learner moved on (the gate in
+  `admission.py`): the engines finish it, the learner trains it within the bound (idling
+  meanwhile, measured as its wait). Take order: stalest first.
+- ``correct``: groups up to `max_staleness_hard` are trained (the learner's rollout IS weighs
+  them by pi_prox / pi_behaviour); staler ones are evicted. Take order: stalest first.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from asyncrl.types import TrajectoryGroup
 __all__ = ["DuplicateGroupError", "ReplayConfig", "ReplayError", "ReplayQueue"]
 
 STATE_FORMAT = 2
+STALE_POLICIES = ("evict", "wait", "correct")
 
 
 @dataclass(frozen=True)
@@ -42,11 +55,27 @@ class ReplayConfig:
     dedup_window: int | None = 100_000
     """How many recently put group ids are remembered to reject duplicates (buffered ids are
     always checked); None = remember every id of the run."""
+    stale_policy: str = "evict"
+    """What becomes of a group staler than `max_staleness`: evict | wait | correct (see the
+    module docstring)."""
+    max_staleness_hard: int | None = None
+    """correct only: groups staler than this are still evicted (>= max_staleness)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "filters", tuple(self.filters))
         if self.max_staleness < 0:
             raise ReplayError(f"replay.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ReplayError(
+                f"replay.stale_policy: {self.stale_policy!r} is not one of "
+                f"{', '.join(STALE_POLICIES)}"
+            )
+        hard = self.max_staleness_hard
+        if self.stale_policy == "correct" and (hard is None or hard < self.max_staleness):
+            raise ReplayError(
+                f"replay.max_staleness_hard must be >= max_staleness ({self.max_staleness}) "
+                f"with stale_policy correct, got {hard}"
+            )
         if self.rollout_batch_size < 1:
             raise ReplayError(
                 f"replay.rollout_batch_size must be >= 1, got {self.rollout_batch_size}"
@@ -57,6 +86,13 @@ class ReplayConfig:
             if not callable(f):
                 raise ReplayError(f"replay.filters: {f!r} is not callable")
 
+    @property
+    def eviction_bound(self) -> int | None:
+        """The staleness beyond which the buffer evicts (None: never)."""
+        return {"evict": self.max_staleness, "wait": None}.get(
+            self.stale_policy, self.max_staleness_hard
+        )
+
 
 class ReplayQueue:
     """`admission` (shared with the dispatcher) and the buffer, under one lock."""
@@ -66,8 +102,22 @@ class ReplayQueue:
         lock = threading.RLock()  # re-entrant: admission takes it too, alone or inside ours
         self._cond = threading.Condition(lock)
         self._closed = False
-        self.admission = Admission(config.max_staleness, config.rollout_batch_size, version, lock)
-        self._buffer = GroupBuffer(config.max_staleness, self._filter_names(), config.dedup_window)
+        self.admission = Admission(
+            config.max_staleness, config.rollout_batch_size, version, lock, self._wait
+        )
+        self._buffer = self._new_buffer()
+
+    @property
+    def _wait(self) -> bool:
+        return self.config.stale_policy == "wait"
+
+    def _new_buffer(self, state: dict[str, Any] | None = None) -> GroupBuffer:
+        cfg = self.config
+        args = (cfg.eviction_bound, self._filter_names(), cfg.dedup_window)
+        stalest_first = cfg.stale_policy != "evict"
+        if state is None:
+            return GroupBuffer(*args, stalest_first=stalest_first)
+        return GroupBuffer.from_state(*args, state, stalest_first=stalest_first)
 
     def _filter_names(self) -> list[str]:
         return [filter_name(f) for f in self.config.filters]
@@ -108,23 +158,26 @@ class ReplayQueue:
         with self._cond:
             kept = self._buffer.put(group, self.admission.version, dropped_by)
             self.admission.delivered(group.group_id if prompt_key is None else prompt_key, kept)
-            if kept:
+            if kept or self._wait:  # a delivery may also reopen the wait gate
                 self._cond.notify_all()
             return kept
 
     def take(
         self, n: int, current_version: int, timeout: float | None = 0.0
     ) -> list[TrajectoryGroup] | None:
-        """The n oldest groups with staleness ≤ max_staleness at `current_version`, or None if
-        fewer are available. Staler groups are evicted first. `timeout`: 0 = don't wait,
-        seconds = wait at most that long, None = wait until enough arrive or `close()`."""
+        """The n oldest groups (arrival order under evict, stalest first otherwise) within the
+        eviction bound at `current_version`, or None if fewer are available, or (wait policy)
+        while a prompt in flight would then exceed the bound. Staler groups are evicted first.
+        `timeout`: 0 = don't wait, seconds = wait at most that long, None = wait until enough
+        arrive or `close()`."""
         if n < 0:
             raise ReplayError(f"replay.take: n must be >= 0, got {n}")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 self.admission.dropped(self._buffer.evict_stale(current_version))
-                groups = self._buffer.take(n, current_version)
+                held = self._wait and self.admission.stale_in_flight()
+                groups = None if held else self._buffer.take(n, current_version)
                 if groups is not None:
                     return groups
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -145,10 +198,15 @@ class ReplayQueue:
     # -- observability and checkpoint ---------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Flat scalar metrics (prefix them in the sink): admission (version, running,
-        accepted, capacity, budget, unreserved) and buffer (depth, counters, per-filter drops,
-        lag histograms `lag_buffered/<k>` and `lag_taken/<k>`)."""
+        accepted, capacity, budget, unreserved; `stale_in_flight` under wait) and buffer
+        (depth, counters, per-filter drops, lag histograms `lag_buffered/<k>` and
+        `lag_taken/<k>`, the length bias `generated_length_mean`, `trained_length_mean`,
+        `length_ratio`), and `over_bound`: groups trained staler than max_staleness."""
         with self._cond:
-            return self.admission.metrics() | self._buffer.metrics(self.admission.version)
+            out = self.admission.metrics() | self._buffer.metrics(self.admission.version)
+            lags = self._buffer.lag_taken.items()
+            out["over_bound"] = sum(n for k, n in lags if k > self.config.max_staleness)
+            return out
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume, as plain data, in one snapshot (a prompt is buffered,
@@ -170,10 +228,10 @@ class ReplayQueue:
             raise ReplayError(f"replay state: expected a dict with format {STATE_FORMAT}")
         cfg = self.config
         try:
-            admission = Admission.from_state(cfg.max_staleness, cfg.rollout_batch_size, state)
-            buffer = GroupBuffer.from_state(
-                cfg.max_staleness, self._filter_names(), cfg.dedup_window, state
+            admission = Admission.from_state(
+                cfg.max_staleness, cfg.rollout_batch_size, state, self._wait
             )
+            buffer = self._new_buffer(state)
             if admission.accepted != buffer.counts["taken"] + len(buffer):
                 raise ValueError("accepted != taken + depth: counters disagree with the groups")
         except (KeyError, TypeError, ValueError) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,9 +23,16 @@ def make_math_verify() -> RewardFn:
         if "answer" not in metadata:
             raise RewardError("math_verify needs an 'answer' metadata column in the prompt data")
         answer = str(metadata["answer"])
+        # math-verify's own timeouts are signal.alarm, which works on the main thread only; a
+        # rollout worker scores on its event-loop thread, where they must be off (math-verify
+        # refuses them there). Its response is bounded by response_length tokens.
+        limit = 5 if threading.current_thread() is threading.main_thread() else None
         # A bare gold answer is parsed as LaTeX math; an already delimited one as is.
-        gold = mv.parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-        pred = mv.parse(response)
-        return 1.0 if gold and pred and mv.verify(gold, pred) else 0.0
+        gold = mv.parse(
+            answer if "$" in answer or "\\boxed" in answer else f"${answer}$",
+            parsing_timeout=limit,
+        )
+        pred = mv.parse(response, parsing_timeout=limit)
+        return 1.0 if gold and pred and mv.verify(gold, pred, timeout_seconds=limit) else 0.0
 
     return math_verify

@@ -112,12 +112,16 @@ class Dispatcher:
 
     def _admit_fresh(self, wanted: int) -> None:
         """Draw up to `wanted` new prompts, as many as admission grants, into the ledger."""
-        granted = min(wanted, self.admission.capacity())
-        if granted <= 0:
-            return
-        fresh = [self.next_prompt() for _ in range(granted)]
-        # Only this thread reserves and capacity never shrinks otherwise: all are granted.
-        self.admission.reserve(granted, [it.key for it in fresh], [vars(it) for it in fresh])
+        # Under admission's lock: capacity can shrink meanwhile (the wait policy's gate closes
+        # when the learner's version moves), and a prompt drawn but not reserved would be lost.
+        with self.admission.lock:
+            granted = min(wanted, self.admission.capacity())
+            if granted <= 0:
+                return
+            fresh = [self.next_prompt() for _ in range(granted)]
+            keys, payloads = [it.key for it in fresh], [vars(it) for it in fresh]
+            if self.admission.reserve(granted, keys, payloads) != granted:
+                raise RuntimeError("dispatcher: admission granted fewer prompts than it counted")
 
     def reap(self, timeout: float) -> None:
         """Take finished submissions from the pool: delivered prompts free their worker's

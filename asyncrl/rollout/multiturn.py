@@ -254,6 +254,11 @@ class EpisodeBuilder:
             params = sampling_params(s.generating, max_new - len(out.ids), seed)
             request = {"input_ids": context + out.ids, "sampling_params": params}
             c = await client.generate_one({**request, "return_logprob": True})
+            if c.finish_reason == "abort" and c.abort_status is not None and c.abort_status < 500:
+                # SGLang's answer to a context at its limit (status 400): the episode has no
+                # room left, as with an empty reply; re-submitting would be refused forever
+                out.finish_reason = "length"
+                break
             out.ids += c.output_ids
             out.logprobs += c.output_logprobs
             out.versions += c.token_versions()

@@ -1,7 +1,10 @@
 """Single-turn rollouts: one prompt in, a scored `TrajectoryGroup` of n responses out.
 
 For each prompt `GroupBuilder` sends `n` concurrent requests through the SGLang-protocol client,
-scores every response with the reward function and computes the group's advantages (the group
+continues every aborted one (`finish_reason: abort`, a weight sync with `pause_mode: abort`)
+from its partial output until it really finishes (`generate_continued`: the partial tokens keep
+their logprobs and versions; one still aborted after `MAX_CONTINUATIONS` fails the prompt, which
+is retried and re-issued, never trained as finished), scores every response with the reward function and computes the group's advantages (the group
 estimators: grpo, drgrpo, rloo). No transport: the rollout worker and the equivalence test's
 reference loop share it.
 
@@ -13,6 +16,7 @@ no dataset column (`prompt_key`, say) can overwrite what the receive side relies
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from typing import Any
 
@@ -33,6 +37,48 @@ from asyncrl.rollout.settings import (
     sampling_params,
 )
 from asyncrl.types import TrajectoryGroup
+
+MAX_CONTINUATIONS = 4  # continuations of one aborted sample before its prompt is re-issued
+
+
+class AbortedSampleError(RuntimeError):
+    """A sample still aborted after MAX_CONTINUATIONS continuations (the engine keeps
+    aborting): retriable, the prompt is tried again whole."""
+
+
+async def generate_continued(client: Any, request: dict, max_new: int) -> Any:
+    """`request` (input_ids, sampling_params, ...) until it finishes other than by abort.
+
+    An abort cut by a weight sync is re-submitted as a continuation: prompt + partial output,
+    `max_new_tokens` reduced by what was generated; the result is one Completion of every
+    generated token with its own logprob and version. An abort with a 4xx status is bad input
+    (a prompt at the context limit): permanent, never re-issued."""
+    out_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    for _ in range(MAX_CONTINUATIONS + 1):
+        params = {**request["sampling_params"], "max_new_tokens": max_new - len(out_ids)}
+        body = {**request, "input_ids": list(request["input_ids"]) + out_ids}
+        c = await client.generate_one({**body, "sampling_params": params})
+        if c.finish_reason == "abort" and c.abort_status is not None and c.abort_status < 500:
+            raise PermanentRolloutError(f"engine refused the request: {c.abort_message}")
+        out_ids += c.output_ids
+        logprobs += c.output_logprobs
+        versions += c.token_versions()
+        if c.finish_reason != "abort":
+            break
+        if len(out_ids) >= max_new:  # cut exactly at the budget: it ended by length
+            c = dataclasses.replace(c, finish_reason="length")
+            break
+    else:
+        raise AbortedSampleError(f"a sample was aborted {MAX_CONTINUATIONS + 1} times")
+    return dataclasses.replace(
+        c,
+        output_ids=out_ids,
+        output_logprobs=logprobs,
+        output_token_versions=[str(v) for v in versions],
+        prompt_tokens=len(request["input_ids"]),
+    )
 
 
 class GroupBuilder:
@@ -64,7 +110,10 @@ class GroupBuilder:
             }
             for i in range(s.n)
         ]
-        completions = await asyncio.gather(*(client.generate_one(r) for r in requests))
+        max_new = s.max_new_tokens
+        completions = await asyncio.gather(
+            *(generate_continued(client, r, max_new) for r in requests)
+        )
         return self._build_group(item, completions)
 
     def _build_group(self, item: PromptItem, completions: list[Any]) -> TrajectoryGroup:

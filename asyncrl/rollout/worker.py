@@ -22,7 +22,7 @@ from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.client import EngineError
 from asyncrl.rollout.multiturn import EpisodeBuilder, EpisodeError
 from asyncrl.rollout.settings import PromptResult, RolloutSettings
-from asyncrl.rollout.single_turn import GroupBuilder
+from asyncrl.rollout.single_turn import AbortedSampleError, GroupBuilder
 from asyncrl.types import RecordError
 
 T = TypeVar("T")
@@ -49,7 +49,9 @@ def is_retriable(error: BaseException) -> bool:
         return status is None or status >= 500 or status in RETRIABLE_HTTP
     # TimeoutError: the transport was full, a call outlived its deadline. EpisodeError: an
     # env reset failed or a turn was aborted. RecordError: an engine returned unusable values.
-    return isinstance(error, TimeoutError | ConnectionError | EpisodeError | RecordError)
+    # AbortedSampleError: a sample kept being aborted (weight syncs in pause_mode abort).
+    retriable = (TimeoutError, ConnectionError, EpisodeError, RecordError, AbortedSampleError)
+    return isinstance(error, retriable)
 
 
 def backoff_s(settings: RolloutSettings, attempt: int) -> float:

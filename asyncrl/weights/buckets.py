@@ -182,3 +182,17 @@ def unflatten_bucket(
             numel *= d
         out.append(buf[off : off + numel * itemsize].view(dtype).view(tuple(shape)))
     return out
+
+
+# Adapter-only syncs (LoRA): per linear layer `M` (weight `M.weight` [out, in]) the learner sends
+# `M.lora_A.weight` [r, in] and `M.lora_B.weight` [out, r], the LoRA scaling folded into B, so
+# the engine serves W0 + B·A without knowing the adapter's config.
+LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
+
+
+def lora_half(name: str) -> tuple[str, str] | None:
+    """(LORA_A or LORA_B, the layer's weight name) for an adapter tensor's name, else None."""
+    for half in (LORA_A, LORA_B):
+        if name.endswith("." + half):
+            return half, name.removesuffix(half) + "weight"
+    return None

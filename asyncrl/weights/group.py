@@ -118,6 +118,7 @@ def broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int = 
     is the list order on every rank.
     """
     try:
+        _use_device_of(tensors)
         works = []
         for t in tensors:
             opts = dist.BroadcastOptions()
@@ -129,6 +130,38 @@ def broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int = 
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GroupError(f"broadcast failed: {msg}") from e
+
+
+def home_device() -> torch.device | None:
+    """This thread's accelerator (the learner's, when read where the learner set it)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return torch.device("npu", npu.current_device())
+    return None
+
+
+def staging_device(backend: str, home: torch.device | None) -> torch.device:
+    """Where buckets are staged for `backend`: the learner's own device (`home`, read where the
+    sender was made, never on the control or collective threads, which never set a device
+    and would all read device 0)."""
+    kind = {"nccl": "cuda", "hccl": "npu"}.get(backend)
+    if kind is None:
+        return torch.device("cpu")
+    if home is not None and home.type == kind:
+        return home
+    return torch.device(kind, 0)
+
+
+def _use_device_of(tensors: list[torch.Tensor]) -> None:
+    """Make the tensors' accelerator this thread's current device: NCCL/HCCL create their
+    communicator and streams on the current device, and a sender thread starts on device 0."""
+    device = tensors[0].device if tensors else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device is not None and device.type == "npu":
+        torch.npu.set_device(device)  # type: ignore[attr-defined]
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:

@@ -4,10 +4,15 @@ Protocol (SGLang's, slime's order):
   init_group: learner = rank 0, engine i joins at rank_offset = 1 + sum(tp sizes before i),
       world_size = 1 + sum(tp sizes). The HTTP `/init_weights_update_group` calls and the
       learner's own join run concurrently (they rendezvous on the learner's TCPStore).
-  sync: pause engines (optional) -> per bucket: POST `/update_weights_from_distributed` to
-      every engine concurrently, then broadcast the bucket (src=0), then wait for every reply
-      -> resume. The version and the cache flush ride on the last bucket only, so an engine
-      never reports the new version with half of the new weights.
+  sync: every engine `prepare_update(pause_mode)` (pause; flush once idle where the mode
+      allows; begin the weight-update session where the engine's version requires one) -> per
+      bucket: POST `/update_weights_from_distributed` to every engine concurrently, then
+      broadcast the bucket (src=0), then wait for every reply -> every engine
+      `finish_update(version)` (end the session, set the version where the bucket's is lost,
+      continue). The version rides on the last bucket only, so an engine never reports the new
+      version with half of the new weights; no bucket asks for a flush (`flush_cache=False`):
+      a flush while paused requests hold KV kills SGLang <= 0.5.22 (`assert
+      flush_cache_success`); the engine side decides when a flush can succeed.
 
 Nothing here waits without a bound: HTTP waits share one per-bucket deadline and the group's
 collectives carry the same timeout, so a stalled engine ends in `WeightSyncError` naming it.
@@ -38,7 +43,13 @@ from asyncrl.weights.buckets import (
     flatten_bucket,
     tensor_nbytes,
 )
-from asyncrl.weights.group import broadcast, create_group, destroy_group
+from asyncrl.weights.group import (
+    broadcast,
+    create_group,
+    destroy_group,
+    home_device,
+    staging_device,
+)
 
 __all__ = ["SyncStats", "WeightSender", "WeightSource", "WeightSyncError", "WeightTarget"]
 
@@ -72,9 +83,11 @@ class WeightTarget(Protocol):
         timeout_s: float | None,
     ) -> object: ...
 
-    async def pause(self, mode: str) -> None: ...
+    async def prepare_update(self, pause_mode: str | None, timeout_s: float) -> None:
+        """Pause (None: don't), flush when possible, open a session where required."""
 
-    async def resume(self) -> None: ...
+    async def finish_update(self, version: int, pause_mode: str | None) -> None:
+        """Close the session, make the engine report `version`, continue if paused."""
 
     async def destroy_weights_update_group(self, group_name: str) -> object: ...
 
@@ -151,16 +164,18 @@ def _bucket_format(bucket: list[tuple[str, torch.Tensor]]) -> str | None:
     return None if mean >= PER_TENSOR_MIN_BYTES else "flattened_bucket"
 
 
-def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
-
-
 class WeightSender:
-    def __init__(self, *, group_name: str = "asyncrl_weights", timeout_s: float = 120.0) -> None:
+    """Rank 0 of the weight-update group. `device`: the learner's accelerator (default: the
+    current device of the thread that makes the sender)."""
+
+    def __init__(
+        self,
+        *,
+        group_name: str = "asyncrl_weights",
+        timeout_s: float = 120.0,
+        device: torch.device | None = None,
+    ) -> None:
+        self._home = device if device is not None else home_device()
         self.group_name = group_name
         self.timeout_s = timeout_s
         self.engines: list[WeightTarget] = []
@@ -208,7 +223,7 @@ class WeightSender:
             mine.add_done_callback(lambda f: f.exception() or destroy_group(f.result()))
             raise
         self._group, self.engines = mine.result(), list(engines)
-        self._device, self._broken = _device_for(backend), None
+        self._device, self._broken = staging_device(backend, self._home), None
 
     async def sync(
         self,
@@ -218,7 +233,6 @@ class WeightSender:
         load_format: str | None = "flattened_bucket",
         pause_mode: str | None = "abort",
         dtype: torch.dtype | None = None,
-        flush_cache: bool = True,
     ) -> SyncStats:
         """Send full tensors under HF names (floating ones cast to `dtype` if given).
 
@@ -231,15 +245,15 @@ class WeightSender:
         if load_format not in (None, "flattened_bucket", "auto"):
             raise WeightSyncError(f"unknown load_format {load_format!r}")
         start, nbytes, nbuckets, ntensors = time.perf_counter(), 0, 0, 0
-        if pause_mode:
-            await self._control(lambda e: e.pause(pause_mode), f"pause({pause_mode})")
+        what = f"pause({pause_mode})" if pause_mode else "begin update"
+        await self._control(lambda e: e.prepare_update(pause_mode, self.timeout_s), what)
         converted = ((n, self._prepare(t, dtype)) for n, t in named_tensors)
         try:
             flat = load_format is not None  # one dtype per (possibly) flattened bucket
             for bucket, last in _with_last(bucketize(converted, bucket_bytes, split_dtypes=flat)):
                 fmt = _bucket_format(bucket) if load_format == "auto" else load_format
                 nbytes += await self._send_bucket(
-                    bucket, version if last else None, fmt, flush_cache and last, nbuckets
+                    bucket, version if last else None, fmt, False, nbuckets
                 )
                 nbuckets += 1
                 ntensors += len(bucket)
@@ -249,8 +263,8 @@ class WeightSender:
             self._staging.finish()
         if nbuckets == 0:
             raise WeightSyncError(f"no tensors to send for version {version}")
-        if pause_mode:
-            await self._control(lambda e: e.resume(), "continue_generation")
+        what = "continue_generation" if pause_mode else "end update"
+        await self._control(lambda e: e.finish_update(version, pause_mode), what)
         secs = time.perf_counter() - start
         return SyncStats(version, secs, nbytes, nbytes / max(secs, 1e-9) / 1e9, nbuckets, ntensors)
 

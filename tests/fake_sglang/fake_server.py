@@ -10,6 +10,10 @@ exactly like SGLang's `init_custom_process_group` (tcp rendezvous, `PrefixStore(
 torch's group helper) and receives buckets like SGLang's model runner: per tensor, or one
 unpadded uint8 `flattened_bucket` sliced per tensor and viewed as its dtype. What it received
 (sha256 per tensor per rank), its argv and its device visibility are at GET /_fake/state.
+Per-release behaviours (`FAKE_SGLANG_VERSION`: weight-update sessions, the version dropped
+while paused, the refused flush, per-token version spans) are `upstream.py`'s; requests run at
+`FAKE_SGLANG_TOKEN_DELAY_S` per token, pause `in_place`/`retract` holds them mid-generation and
+`abort` returns them with their partial output and `finish_reason: abort`.
 With `--api-key K` every endpoint but /health* (and /_fake/state, the test's own) wants
 `Authorization: Bearer K`, else 401 {"error": "Unauthorized"} -- SGLang's middleware; the fake
 router's `--api-key` is what it sends to the workers, as sglang-router's.
@@ -19,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import hashlib
 import multiprocessing as mp
 import os
 import sys
 
-from aiohttp import ClientSession, web
+from aiohttp import web
+from fake_ranks import rank_worker
+from upstream import Upstream, version_spans
 
 VOCAB = 64
 NONE = type(None)
@@ -34,8 +38,10 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/generate": {
         "input_ids": ((list,), True), "sampling_params": ((dict,), False),
         "return_logprob": ((bool,), False), "logprob_start_len": ((int,), False),
-        "rid": ((str,), False), "stream": ((bool,), False),
+        "rid": ((str,), False), "stream": ((bool,), False), "extra_key": ((str, NONE), False),
     },
+    "/begin_weight_update": {"selector": ((str,), False)},
+    "/end_weight_update": {},
     "/pause_generation": {"mode": ((str,), False)},
     "/continue_generation": {"torch_empty_cache": ((bool,), False)},
     "/init_weights_update_group": {
@@ -48,8 +54,14 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "group_name": ((str,), False), "flush_cache": ((bool,), False),
         "abort_all_requests": ((bool,), False), "weight_version": ((str, NONE), False),
         "load_format": ((str, NONE), False), "torch_empty_cache": ((bool,), False),
+        "selector": ((str,), False),
     },
     "/destroy_weights_update_group": {"group_name": ((str,), False)},
+    "/load_lora_adapter": {
+        "lora_name": ((str,), True), "lora_path": ((str,), True), "pinned": ((bool,), False),
+        "lora_id": ((str, NONE), False),
+    },
+    "/unload_lora_adapter": {"lora_name": ((str,), True), "lora_id": ((str, NONE), False)},
     "/update_weight_version": {"new_version": ((str,), True), "abort_all_requests": ((bool,), False)},
 }  # fmt: skip
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
@@ -90,87 +102,6 @@ def violations_of(path: str, body: object) -> list[str]:
     return out
 
 
-# ---- tensor-parallel rank processes ------------------------------------------------------------
-def _join(args: dict, tp_rank: int):
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=30)
-    if args.get("backend", "nccl") == "nccl":  # a GPU per TP rank, as SGLang's schedulers
-        import torch
-
-        torch.cuda.set_device(tp_rank)
-    rank = args["rank_offset"] + tp_rank
-    url = f"tcp://{args['master_address']}:{args['master_port']}"
-    store, _, _ = next(rendezvous(url, rank, args["world_size"], timeout=timeout))
-    store.set_timeout(timeout)
-    name = args.get("group_name", "weight_update_group")
-    pg, _ = _new_process_group_helper(
-        args["world_size"], rank, [], dist.Backend(args.get("backend", "nccl")),
-        dist.PrefixStore(name, store), group_name=name, timeout=timeout,
-    )  # fmt: skip
-    _world.pg_group_ranks[pg] = {i: i for i in range(args["world_size"])}
-    return pg
-
-
-def _receive(pg, body: dict, device: str) -> dict[str, str]:
-    import torch
-    import torch.distributed as dist
-
-    def bcast(t):
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        return pg.broadcast([t], opts)
-
-    empties = [
-        torch.empty(s, dtype=getattr(torch, d), device=device)
-        for d, s in zip(body["dtypes"], body["shapes"])
-    ]
-    if body.get("load_format") == "flattened_bucket":
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in empties])  # unpadded, in order
-        bcast(flat).wait()
-        tensors, start = [], 0
-        for t in empties:
-            n = t.numel() * t.element_size()
-            tensors.append(flat[start : start + n].view(t.dtype).reshape(t.shape))
-            start += n
-    else:
-        works = [bcast(t) for t in empties]
-        for w in works:
-            w.wait()
-        tensors = empties
-    return {
-        name: hashlib.sha256(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-        for name, t in zip(body["names"], tensors)
-    }
-
-
-def rank_worker(conn, tp_rank: int) -> None:
-    groups: dict = {}  # group name -> (process group, receive device)
-    while True:
-        cmd, args = conn.recv()
-        name = args.get("group_name", "weight_update_group") if isinstance(args, dict) else None
-        try:
-            if cmd == "init":
-                device = f"cuda:{tp_rank}" if args.get("backend", "nccl") == "nccl" else "cpu"
-                groups[name] = (_join(args, tp_rank), device)
-                conn.send(("ok", None))
-            elif cmd == "update":
-                pg, device = groups[name]
-                conn.send(("ok", _receive(pg, args, device)))
-            elif cmd == "destroy":
-                entry = groups.pop(name, None)
-                if entry is not None:  # as SGLang's model runner does
-                    import torch.distributed as dist
-
-                    dist.destroy_process_group(entry[0])
-                conn.send(("ok", None))
-            else:
-                return
-        except Exception as e:  # noqa: BLE001 - reported to the HTTP process as SGLang would
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
 # ---- the HTTP server ---------------------------------------------------------------------------
 class FakeSGLang:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -182,11 +113,21 @@ class FakeSGLang:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
+        self.up = Upstream.from_env()
         self.version, self.paused = "default", asyncio.Event()
         self.paused.set()  # set = running
+        self.mode: str | None = None  # the pause mode while paused
+        self.reqs: dict[int, str] = {}  # in-flight request -> "running" | "waiting" (retracted)
+        self.aborts = 0  # bumped by an abort: requests started before it return "abort"
+        self.session = False
+        self.flushes = 0
+        # SGLang's radix cache, keyed as its own: extra_key + token ids (whole prompts here)
+        self.cache: set[tuple] = set()
+        self.cached: list[int] = []  # cached_tokens of every /generate, in order
         self.violations: list[str] = []
         self.calls: list[list] = []
         self.received: list[dict[str, str]] = [{} for _ in range(args.tp_size)]
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
 
     async def ranks(self, cmd: str, body: dict) -> tuple[bool, str, list]:
         for c in self.conns:
@@ -208,31 +149,99 @@ class FakeSGLang:
         body = await self.checked(request)
         if isinstance(body, web.Response):
             return body
-        await self.paused.wait()
+        await self.paused.wait()  # arrivals while paused wait in the tokenizer manager
         params = body.get("sampling_params") or {}
         n, stops = params.get("max_new_tokens", 8), set(params.get("stop_token_ids") or [])
-        out, finish = [], {"type": "length", "length": n}
-        for _ in range(n):
-            out.append((out or body["input_ids"])[-1] * 7 % VOCAB + 1)
-            if out[-1] in stops:
-                finish = {"type": "stop", "matched": out[-1]}
-                break
+        out, versions, finish = [], [], {"type": "length", "length": n}
+        me, epoch = object(), self.aborts
+        self.reqs[id(me)] = "running"
+        try:
+            for _ in range(n):
+                if not await self.may_continue(me, epoch):
+                    finish = {"type": "abort", "message": "Abort in waiting queue"}
+                    break
+                out.append((out or body["input_ids"])[-1] * 7 % VOCAB + 1)
+                versions.append(self.version)
+                if out[-1] in stops:
+                    finish = {"type": "stop", "matched": out[-1]}
+                    break
+                if self.up.token_delay_s:
+                    await asyncio.sleep(self.up.token_delay_s)
+        finally:
+            del self.reqs[id(me)]
+        key = (body.get("extra_key"), *body["input_ids"])
+        cached = len(body["input_ids"]) if key in self.cache else 0
+        self.cache.add(key)
+        self.cached.append(cached)
         meta = {"id": body.get("rid", "r"), "finish_reason": finish, "weight_version": self.version,
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(out),
-                "cached_tokens": 0, "e2e_latency": 0.001}  # fmt: skip
+                "cached_tokens": cached, "e2e_latency": 0.001}  # fmt: skip
+        if self.up.version_spans and out:
+            meta["weight_versions"] = version_spans(versions)
+            meta["weight_version"] = versions[-1]
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[-0.5, t, None] for t in out]
         return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
+
+    async def may_continue(self, me: object, epoch: int) -> bool:
+        """Between two tokens: False if aborted; held while paused in_place (still running,
+        its KV kept) or retract (moved to the waiting queue)."""
+        if self.aborts != epoch:
+            return False
+        if self.mode == "retract":
+            self.reqs[id(me)] = "waiting"
+        await self.paused.wait()
+        self.reqs[id(me)] = "running"
+        return self.aborts == epoch
+
+    def idle(self) -> bool:
+        """The scheduler's idle check behind every flush."""
+        states = list(self.reqs.values())
+        return "running" not in states and not (self.up.counts_waiting and states)
 
     async def control(self, request: web.Request) -> web.Response:
         body = await self.checked(request)
         if isinstance(body, web.Response):
             return body
         if request.path == "/pause_generation":
+            self.mode = body.get("mode", "abort")
             self.paused.clear()
+            if self.mode == "abort":  # as SGLang: abort everything, return once none is left
+                self.aborts += 1  # each running request returns at its next token
+                while self.reqs:
+                    await asyncio.sleep(0.01)
             return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        self.mode = None
         self.paused.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush(self, request: web.Request) -> web.Response:
+        self.calls.append([request.path, {}])
+        if not self.idle():
+            return web.Response(status=400, text="Flush cache failed.\n")
+        self.flushes += 1
+        self.cache.clear()
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    async def session_call(self, request: web.Request) -> web.Response:
+        body = await self.checked(request)
+        if isinstance(body, web.Response):
+            return body
+        opening = request.path == "/begin_weight_update"
+        if self.session == opening:
+            message = "a weight-update session is already open" if opening else "no session open"
+            return web.json_response({"success": False, "message": message}, status=400)
+        self.session = opening
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        body = await self.checked(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("abort_all_requests", True):  # SGLang's default
+            self.aborts += 1
+        self.version = body["new_version"]
+        return web.json_response({"success": True, "message": "ok", "new_version": self.version})
 
     async def weights(self, request: web.Request) -> web.Response:
         body = await self.checked(request)
@@ -240,20 +249,53 @@ class FakeSGLang:
             return body
         cmd = {"/init_weights_update_group": "init", "/update_weights_from_distributed": "update",
                "/destroy_weights_update_group": "destroy"}[request.path]  # fmt: skip
+        if cmd == "update" and self.up.session and not self.session:
+            message = "update_weights_from_distributed must run between begin_weight_update()"
+            return web.json_response({"success": False, "message": message}, status=400)
         ok, message, results = await self.ranks(cmd, body)
         if ok and cmd == "update":
             for mine, got in zip(self.received, results):
                 mine.update(got)
-            if body.get("weight_version") is not None:
+            paused = not self.paused.is_set()
+            if body.get("weight_version") is not None and not (
+                paused and self.up.drops_paused_version
+            ):
                 self.version = body["weight_version"]
+            if body.get("flush_cache", True) and not self.idle():
+                if self.up.dies_on_refused_flush:  # assert flush_cache_success -> SIGQUIT
+                    os._exit(134)
+                ok, message = False, "Weights were updated, but the cache was not flushed"
+            elif body.get("flush_cache", True):
+                self.flushes += 1
+                self.cache.clear()
         reply = {"success": ok, "message": message or "Succeeded."}
         return web.json_response(reply, status=200 if ok else 400)
+
+    async def lora(self, request: web.Request) -> web.Response:
+        """SGLang's LoRAUpdateOutput; a name loaded twice or unloaded unknown fails (400)."""
+        body = await self.checked(request)
+        if isinstance(body, web.Response):
+            return body
+        name, error = body["lora_name"], None
+        if request.path == "/load_lora_adapter" and name in self.adapters:
+            error = f"LoRA adapter {name} is already loaded"
+        elif request.path == "/unload_lora_adapter" and name not in self.adapters:
+            error = f"LoRA adapter {name} is not loaded"
+        elif request.path == "/load_lora_adapter":
+            self.adapters[name] = body["lora_path"]
+        else:
+            del self.adapters[name]
+        reply = {"success": error is None, "error_message": error,
+                 "loaded_adapters": dict(self.adapters)}  # fmt: skip
+        return web.json_response(reply, status=200 if error is None else 400)
 
     async def state(self, request: web.Request) -> web.Response:
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
         return web.json_response({"argv": sys.argv[1:], "visible": env, "version": self.version,
                                   "violations": self.violations, "calls": self.calls,
-                                  "received": self.received})  # fmt: skip
+                                  "adapters": self.adapters,
+                                  "received": self.received, "flushes": self.flushes, "cached": self.cached,
+                                  "in_flight": list(self.reqs.values())})  # fmt: skip
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.args.api_key)] if self.args.api_key else []
@@ -261,18 +303,26 @@ class FakeSGLang:
         ok = web.Response
         app.router.add_get("/health_generate", lambda r: ok(status=200))
         app.router.add_get("/health", lambda r: ok(status=200))
-        info = {"tp_size": self.args.tp_size, "model_path": self.args.model_path}
+        info = {"tp_size": self.args.tp_size, "model_path": self.args.model_path,
+                "dp_size": 1, "pp_size": 1, "version": self.up.version}  # fmt: skip
         app.router.add_get("/get_server_info", lambda r: web.json_response(info))
+        app.router.add_get("/server_info", lambda r: web.json_response(info))
+        app.router.add_post("/update_weight_version", self.set_version)
+        if self.up.session:  # the endpoints exist from 0.5.21 on
+            for path in ("/begin_weight_update", "/end_weight_update"):
+                app.router.add_post(path, self.session_call)
         app.router.add_get(
             "/get_weight_version", lambda r: web.json_response({"weight_version": self.version})
         )
         app.router.add_post("/generate", self.generate)
-        app.router.add_post("/flush_cache", lambda r: ok(status=200, text="Cache flushed.\n"))
+        app.router.add_post("/flush_cache", self.flush)
         for path in ("/pause_generation", "/continue_generation"):
             app.router.add_post(path, self.control)
         for path in ("/init_weights_update_group", "/update_weights_from_distributed",
                      "/destroy_weights_update_group"):  # fmt: skip
             app.router.add_post(path, self.weights)
+        for path in ("/load_lora_adapter", "/unload_lora_adapter"):
+            app.router.add_post(path, self.lora)
         app.router.add_get("/_fake/state", self.state)
         return app
 
@@ -312,31 +362,3 @@ def main_server() -> None:
     if not os.path.isdir(args.model_path):
         sys.exit(f"model path {args.model_path} is not a directory")
     web.run_app(FakeSGLang(args).app(), host=args.host, port=args.port, print=None)
-
-
-def main_router() -> None:
-    p = argparse.ArgumentParser("sglang_router.launch_router (fake)")
-    p.add_argument("--worker-urls", nargs="+", required=True)
-    p.add_argument("--policy", choices=["random", "round_robin", "cache_aware", "power_of_two"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--balance-abs-threshold", type=int)
-    p.add_argument("--api-key", type=str)
-    args = p.parse_args()
-    turn = {"i": 0}
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-    async def proxy(request: web.Request) -> web.Response:
-        url = args.worker_urls[turn["i"] % len(args.worker_urls)]
-        turn["i"] += 1
-        body = await request.read()
-        async with ClientSession(headers=headers) as s, s.post(url + "/generate", data=body) as r:
-            return web.Response(
-                status=r.status, body=await r.read(), content_type="application/json"
-            )
-
-    app = web.Application()
-    app.router.add_get("/health", lambda r: web.Response(status=200))
-    app.router.add_post("/generate", proxy)
-    app.router.add_get("/_fake/state", lambda r: web.json_response({"argv": sys.argv[1:]}))
-    web.run_app(app, host=args.host, port=args.port, print=None)

@@ -39,7 +39,8 @@ def launch_hf_server(
     with the server's log tail if it exits or is not healthy in time.
     """
     port = port or free_port(host)
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="asyncrl-hf-server-"))
+    scratch = None if log_dir else Path(tempfile.mkdtemp(prefix="asyncrl-hf-server-"))
+    log_dir = Path(log_dir or scratch)  # type: ignore[arg-type]
     log_path = log_dir / f"hf_server_{port}.log"
     cmd = [sys.executable, "-m", "asyncrl.engine.hf.server", "--model-path", str(model_path)]
     cmd += ["--host", host, "--port", str(port), "--dtype", dtype]
@@ -49,13 +50,14 @@ def launch_hf_server(
         env[API_KEY_ENV] = api_key
     with open(log_path, "wb") as log:
         proc = popen(cmd, env, log)
-    handle = ServerHandle(proc, f"http://{host}:{port}", log_path)
+    handle = ServerHandle(proc, f"http://{host}:{port}", log_path, scratch)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            tail = handle.log_tail()
+            handle.kill()  # reaps its process group and removes its scratch dir
             raise EngineLaunchError(
-                f"hf server on port {port} exited with code {proc.returncode}; log tail:\n"
-                + handle.log_tail()
+                f"hf server on port {port} exited with code {proc.returncode}; log tail:\n" + tail
             )
         try:
             with urllib.request.urlopen(handle.url + "/health_generate", timeout=5) as r:
@@ -64,10 +66,10 @@ def launch_hf_server(
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.2)
+    tail = handle.log_tail()  # before stop() removes a scratch log dir
     handle.stop()
     raise EngineLaunchError(
-        f"hf server on port {port} not healthy after {timeout_s:.0f}s; log tail:\n"
-        + handle.log_tail()
+        f"hf server on port {port} not healthy after {timeout_s:.0f}s; log tail:\n" + tail
     )
 
 

@@ -26,9 +26,21 @@ _GENERATE_NEUTRAL = {
     "lora_path": (None,),
     "custom_logit_processor": (None,),
     "return_hidden_states": (None, False),
+    # what sglang-router (0.3.2) adds to every body it forwards, at these values
+    "model": (None,),
+    "log_metrics": (None, True, False),  # server-side logging only
+    "no_logs": (None, False, True),
+    "background": (None, False),
+    "return_bytes": (None, False),
+    "return_entropy": (None, False),
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "rid", "return_logprob"}
-_GENERATE_KEYS |= {"logprob_start_len", "stream"}
+_GENERATE_KEYS |= {"logprob_start_len", "stream", "extra_key"}
+#: `extra_key` is SGLang's prefix-cache namespace. This server keeps no prefix cache (every
+#: request prefills its own KV, dropped when it finishes), so no KV is ever shared across
+#: requests, let alone across weight versions: the field is checked (a string, or a list of
+#: them for a batch) and has nothing else to do.
+MAX_EXTRA_KEY_CHARS = 256
 MAX_VERSION_CHARS = 64
 MAX_GROUP_TIMEOUT_S = 86400.0
 
@@ -134,6 +146,9 @@ def parse_generate(body: dict, on_done) -> tuple[list[Seq], bool]:
     n = len(prompts)
     params = _per_item(body, "sampling_params", n, batched, SamplingParams.from_json)
     rids = _per_item(body, "rid", n, batched, _typed("rid", (str,)))
+    for key in _per_item(body, "extra_key", n, batched, _typed("extra_key", (str,))):
+        if key is not None and len(key) > MAX_EXTRA_KEY_CHARS:
+            raise RequestError(f"extra_key is longer than {MAX_EXTRA_KEY_CHARS} characters")
     logprob = _per_item(body, "return_logprob", n, batched, _typed("return_logprob", (bool,)))
     return [
         Seq(rids[i] or uuid.uuid4().hex, list(prompts[i]), params[i], on_done, bool(logprob[i]))

@@ -37,6 +37,7 @@ from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
 from asyncrl.engine.hf.protocol import field, group_init, parse_generate, read_json, version
 from asyncrl.engine.hf.weights import WeightReceiver
 from asyncrl.engine.process import API_KEY_ENV
+from asyncrl.engine.versions import HF_SERVER_VERSION
 
 log = logging.getLogger("asyncrl.engine.hf.server")
 HEALTH_TIMEOUT_S = 20.0
@@ -208,6 +209,12 @@ async def get_model_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def server_info(request: web.Request) -> web.Response:
+    """SGLang's /server_info subset: the `version` picks the client's weight-sync steps."""
+    info = {"version": HF_SERVER_VERSION, "tp_size": 1, "dp_size": 1, "pp_size": 1}
+    return web.json_response(info)
+
+
 async def get_load(request: web.Request) -> web.Response:
     load = await asyncio.to_thread(request.app[ENGINE].load)
     return web.json_response([{"dp_rank": 0, **load}])
@@ -286,6 +293,8 @@ def build_app(engine: HFEngine, info: dict, api_key: str | None = None) -> web.A
     r.add_post("/abort_request", abort_request)
     r.add_get("/get_model_info", get_model_info)
     r.add_get("/get_load", get_load)
+    r.add_get("/server_info", server_info)
+    r.add_get("/get_server_info", server_info)
     r.add_get("/get_weight_version", get_weight_version)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_post("/init_weights_update_group", init_weights_update_group)

@@ -15,6 +15,13 @@ parameter takes the shadow's storage and its old storage becomes the shadow), so
 path (gloo's default for large tensors) costs no copy, at the price of a second copy of the
 weights in memory once it is used. A failed sync may leave the buckets before it loaded
 (weights/sync.py): the weight version is not bumped, and only a full sync serves a new one.
+
+LoRA (adapter-only syncs, `asyncrl.learner.lora`): a tensor named `M.lora_A.weight` [r, in] or
+`M.lora_B.weight` [out, r] (B carrying the LoRA scaling) belongs to the linear layer whose
+weight is `M.weight`. A layer's first adapter keeps a pristine copy of its weight W0; whenever
+both halves of this sync have arrived (any bucket order), the layer becomes W0 + B·A, computed
+in fp32 from the pristine copy, so repeated syncs never accumulate rounding. A full update of
+`M.weight` replaces W0 (the next adapter lands on the new base).
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ import torch
 from asyncrl.engine.hf.batch import show
 from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.weights.buckets import (
+    LORA_A,
+    LORA_B,
     BucketLayoutError,
     StagingBuffer,
     dtype_name,
     flat_layout,
+    lora_half,
     parse_dtype,
     parse_shape,
     unflatten_bucket,
@@ -52,7 +62,12 @@ class WeightReceiver:
         self.shadows: dict[str, torch.Tensor] = {}
         # The largest bucket a real sender can send: every parameter once (tied ones under each
         # name), plus alignment. Anything bigger is refused before allocating a byte for it.
-        self.max_bucket_bytes = sum(p.numel() * p.element_size() + 8 for p in self.params.values())
+        # An adapter (A + B of every layer at the largest meaningful rank) is at most twice that.
+        self.max_bucket_bytes = 2 * sum(
+            p.numel() * p.element_size() + 8 for p in self.params.values()
+        )
+        self.pristine: dict[str, torch.Tensor] = {}  # LoRA: layer weight name -> its W0
+        self.pending: dict[str, torch.Tensor] = {}  # LoRA halves waiting for their partner
 
     def init_group(
         self,
@@ -76,6 +91,7 @@ class WeightReceiver:
         except GroupError as e:
             return False, f"Failed to initialize custom process group: {e}"
         self.groups[group_name] = (pg, backend)
+        self.pending.clear()  # a new group starts a new sender: no half waits across it
         return True, "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str) -> tuple[bool, str]:
@@ -107,6 +123,7 @@ class WeightReceiver:
         device = torch.device("cpu") if backend == "gloo" else self.engine.device
         # Swap-in needs known names and the receive device to be the parameters' own.
         per_tensor = load_format is None and self._check(names, tdtypes, tshapes) is None
+        per_tensor = per_tensor and not any(lora_half(n) for n in names)  # adapters are staged
         per_tensor = per_tensor and all(self.params[n].device == device for n in names)
         try:
             if per_tensor:
@@ -123,6 +140,10 @@ class WeightReceiver:
         if problem is None:
             with self.engine.step_lock, torch.no_grad():
                 for name, t in zip(names, tensors):
+                    if lora_half(name):
+                        self._lora(name, t)
+                        continue
+                    self.pristine.pop(name, None)  # a full update is the new base
                     if per_tensor:  # swap storages: the old weights become the next buffer
                         param = self.params[name]
                         self.shadows[name], param.data = param.data, t
@@ -130,6 +151,7 @@ class WeightReceiver:
                         self.params[name].copy_(t)
         self.staging.finish()
         if problem:
+            self.pending.clear()  # a half held from an earlier bucket must not pair across syncs
             return False, f"bucket rejected, model unchanged: {problem}"
         return True, f"Succeeded to update {len(names)} parameters online."
 
@@ -149,11 +171,62 @@ class WeightReceiver:
         broadcast([buf] if load_format == "flattened_bucket" else tensors, pg, src=0)
         return tensors
 
+    def _lora(self, name: str, tensor: torch.Tensor) -> None:
+        """Hold one adapter half; with its partner here, load W0 + B·A into the layer."""
+        half, target = lora_half(name)
+        partner = target.removesuffix("weight") + (LORA_B if half == LORA_A else LORA_A)
+        other = self.pending.pop(partner, None)
+        if other is None:  # the staging buffer is reused by the next bucket: keep a copy
+            self.pending[name] = tensor.clone()
+            return
+        a, b = (tensor, other) if half == LORA_A else (other, tensor)
+        param = self.params[target]
+        if target not in self.pristine:
+            self.pristine[target] = param.detach().clone()
+        base = self.pristine[target]
+        if param.dtype == torch.float32:  # W0 + B·A straight into the weight, no temporaries
+            torch.addmm(base, b, a, out=param.data)
+        else:  # bf16/fp16 weights: summed in fp32, rounded once
+            param.copy_(torch.addmm(base.float(), b.float(), a.float()).to(param.dtype))
+
+    def _check_lora(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], ranks: dict[str, int]
+    ) -> str | None:
+        """An adapter half must fit its layer: A [r, in], B [out, r], the layer's dtype,
+        1 <= r <= min(out, in), and its partner's r (`ranks`: the halves seen so far)."""
+        half, target = lora_half(name)
+        param = self.params.get(target)
+        if param is None or param.dim() != 2:
+            return f"adapter tensor {show(name)} names no linear layer weight {show(target)}"
+        out, inp = param.shape
+        rank = shape[0] if half == LORA_A else shape[-1]
+        want = (rank, inp) if half == LORA_A else (out, rank)
+        partner = target.removesuffix("weight") + (LORA_B if half == LORA_A else LORA_A)
+        held = ranks.get(partner)
+        if len(shape) != 2 or shape != want or not 1 <= rank <= min(out, inp):
+            return f"shape mismatch for {name!r}: sent {list(shape)}, layer is [{out}, {inp}]"
+        if held is not None and held != rank:
+            return f"rank mismatch for {name!r}: its partner {partner!r} has rank {held}"
+        ranks[name] = rank
+        if param.dtype != dtype:
+            return f"dtype mismatch for {name!r}: sent {dtype_name(dtype)}, layer has " + (
+                dtype_name(param.dtype)
+            )
+        return None
+
     def _check(self, names: list, dtypes: list, shapes: list[tuple[int, ...]]) -> str | None:
-        unknown = [n for n in names if not isinstance(n, str) or n not in self.params]
+        known = [isinstance(n, str) and (n in self.params or lora_half(n)) for n in names]
+        unknown = [n for n, k in zip(names, known) if not k]
         if unknown:
             return f"{len(unknown)} unknown parameter name(s), first {show(unknown[0])}"
+        # the halves held from the previous bucket, then this bucket's, in order
+        ranks = {n: int(t.shape[0] if n.endswith(LORA_A) else t.shape[1])
+                 for n, t in self.pending.items()}  # fmt: skip
         for name, dtype, shape in zip(names, dtypes, shapes):
+            if lora_half(name):
+                if problem := self._check_lora(name, dtype, shape, ranks):
+                    return problem
+                continue
             param = self.params[name]
             if tuple(param.shape) != shape:
                 return (

@@ -7,8 +7,9 @@ so every pass-through is testable on the CPU.
 
 `strategy_config` keys (ROLL's names; the MindSpeed table's knobs):
 - parallel sizes: tensor_model_parallel_size, pipeline_model_parallel_size,
-  virtual_pipeline_model_parallel_size, context_parallel_size, expert_model_parallel_size,
-  expert_tensor_parallel_size;
+  virtual_pipeline_model_parallel_size (model chunks per pipeline rank, Megatron's interleaved
+  schedule; needs PP >= 2), context_parallel_size (each sequence split over CP ranks, see
+  `batch.cp_positions`), expert_model_parallel_size, expert_tensor_parallel_size;
 - sequence_parallel, recompute_granularity (full | selective), recompute_method (uniform |
   block), recompute_num_layers, recompute_modules, and moe_* keys -> TransformerConfig;
 - use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32,
@@ -85,11 +86,31 @@ def check_options(sc: Mapping[str, Any]) -> None:
             )
     if sc.get("recompute_method") and not sc.get("recompute_num_layers"):
         raise MegatronConfigError("strategy_config.recompute_method needs recompute_num_layers")
+    vpp = sc.get("virtual_pipeline_model_parallel_size") or 1
+    if vpp > 1 and (sc.get("pipeline_model_parallel_size") or 1) < 2:
+        raise MegatronConfigError(
+            "strategy_config.virtual_pipeline_model_parallel_size needs "
+            "pipeline_model_parallel_size >= 2 (virtual stages interleave pipeline ranks)"
+        )
+
+
+def check_layers(hf: Mapping[str, Any], sc: Mapping[str, Any]) -> None:
+    """Every pipeline rank's virtual stages hold the same number of layers."""
+    stages = (sc.get("pipeline_model_parallel_size") or 1) * (
+        sc.get("virtual_pipeline_model_parallel_size") or 1
+    )
+    if hf["num_hidden_layers"] % stages:
+        raise MegatronConfigError(
+            f"the model's {hf['num_hidden_layers']} layers do not split into pipeline x virtual "
+            f"stages ({stages}): adjust pipeline_model_parallel_size or "
+            "virtual_pipeline_model_parallel_size"
+        )
 
 
 def parallel_kwargs(sc: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: int(sc.get(k) or 1) for k in PARALLEL if k != "virtual_pipeline_model_parallel_size"}
-    out["virtual_pipeline_model_parallel_size"] = sc.get("virtual_pipeline_model_parallel_size")
+    vpp = sc.get("virtual_pipeline_model_parallel_size")
+    out["virtual_pipeline_model_parallel_size"] = vpp if vpp and vpp > 1 else None  # 1: no VPP
     if sc.get("expert_tensor_parallel_size") is None:  # Megatron's default: follow TP
         out["expert_tensor_parallel_size"] = None
     return out
@@ -131,6 +152,11 @@ def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any])
         "pipeline_dtype": DTYPES[dtype],
     }
     out.update({k: v for k, v in parallel_kwargs(sc).items() if v is not None})
+    if out.get("virtual_pipeline_model_parallel_size"):
+        # As Megatron's own training loop runs the interleaved schedule: separate isend/irecv
+        # calls (with PP=2 the forward and backward messages share a peer; one batch of both
+        # could pair a send with the wrong receive).
+        out.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     out.update({k: sc[k] for k in TRANSFORMER if k in sc})
     out.update({k: v for k, v in sc.items() if k.startswith("moe_")})
     out.update(dict(sc.get("override_transformer_config") or {}))
@@ -186,6 +212,7 @@ def plan(
     (`builtin=False`: Megatron-Bridge makes the model, so no GPTModel arguments)."""
     sc = dict(train.strategy_args.strategy_config)
     check_options(sc)
+    check_layers(hf, sc)
     dtype = train.model_args.dtype or "bf16"
     return MegatronPlan(
         parallel=parallel_kwargs(sc),

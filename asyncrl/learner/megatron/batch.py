@@ -11,6 +11,11 @@ parallelism splits it).
 Entropy over vocab-parallel logits: every TP rank holds a slice of the vocabulary; with the
 global max m, S = sum exp(l - m) and W = sum exp(l - m) * l reduced over ranks, the entropy is
 m + log S - W / S. `entropy_partials` computes one rank's (S, W); the worker all-reduces them.
+
+Context parallelism splits every row along the sequence the way Megatron does
+(`megatron.core.utils.get_batch_on_this_cp_rank`): the sequence is cut into 2·CP chunks and CP
+rank r holds chunks r and 2·CP-1-r, so every rank gets the same share of causal-attention work.
+`cp_positions` names those positions; the worker gathers per-position values back with them.
 """
 
 from __future__ import annotations
@@ -68,3 +73,35 @@ def shard_rows(rows: int, parts: int, index: int) -> torch.Tensor:
 
 def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def cp_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """The sequence positions CP rank `rank` holds: chunks `rank` and `2·cp-1-rank` of `2·cp`
+    equal chunks (Megatron's load-balanced split; `seq` must be a multiple of 2·cp)."""
+    if seq % (2 * cp):
+        raise ValueError(f"sequence length {seq} is not a multiple of 2 x CP ({2 * cp})")
+    chunk = seq // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def cp_order(seq: int, cp: int) -> torch.Tensor:
+    """Positions of the CP ranks' local sequences concatenated in rank order (what an
+    all-gather over the CP group yields)."""
+    return torch.cat([cp_positions(seq, cp, r) for r in range(cp)])
+
+
+def schedule_micro(
+    rows: torch.Tensor, size: int, filler: torch.Tensor, multiple: int = 1
+) -> list[tuple[torch.Tensor, bool]]:
+    """(row indices, live) micro-batches of at most `size` rows, their number a positive
+    multiple of `multiple` (Megatron's interleaved schedule needs a multiple of the pipeline
+    size). Where there are too few rows, dead micro-batches run the one row `filler` and weigh
+    nothing, so every rank of a pipeline still runs the same schedule."""
+    needed = -(-len(rows) // size)
+    count = -(-max(1, needed) // multiple) * multiple
+    if count == needed:
+        parts = micro_batches(rows, size)
+    else:  # more, smaller micro-batches (each still at most `size` rows)
+        parts = list(torch.tensor_split(rows, min(count, len(rows)))) if len(rows) else []
+    return [(p, True) for p in parts] + [(filler, False)] * (count - len(parts))

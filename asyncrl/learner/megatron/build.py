@@ -2,8 +2,14 @@
 with HF weights (built-in mapping or Megatron-Bridge), DDP and the Megatron optimizer.
 
 Megatron-core 0.16 APIs, imported inside the functions only. The local layer spec needs no
-Transformer Engine; sequence parallelism and context parallelism do (Megatron's local RMSNorm
-and attention refuse them), which is checked here with an error naming the option.
+Transformer Engine; sequence parallelism does (Megatron's local RMSNorm refuses it), which is
+checked here with an error naming the option. Context parallelism on the local spec uses
+asyncrl's all-gather CP attention (`context.py`); Transformer Engine's attention does its own.
+
+Virtual pipeline stages (`virtual_pipeline_model_parallel_size` V): every pipeline rank builds
+V model chunks, chunk v of rank r holding layers of virtual stage v·PP + r; the model is always
+a list of chunks (one without VPP), which is what Megatron's schedules, DDP wrapping and the
+optimizer take.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ from asyncrl.learner.megatron.weights import HFCheckpoint, load_hf_into, stage_l
 
 @dataclass
 class Built:
-    model: torch.nn.Module
-    """DDP-wrapped when trainable (Bridge) or still bare (built-in: wrapped by `wrap`)."""
+    chunks: list[torch.nn.Module]
+    """This rank's model chunks (one per virtual stage): DDP-wrapped when trainable (Bridge) or
+    still bare (built-in: wrapped by `wrap`)."""
     te: bool
     """Transformer Engine layer spec (fused pre-norm names)."""
-    layout: list[tuple[int, int]]
-    """(first layer, layer count) per pipeline stage."""
+    layout: list[list[tuple[int, int]]]
+    """(first layer, layer count) per pipeline rank, per virtual stage (chunk)."""
     bridge: Any = None
     """The AutoBridge instance when Megatron-Bridge built the model."""
 
@@ -53,13 +60,6 @@ def init_parallel(plan: MegatronPlan, seed: int) -> None:
     from megatron.core import tensor_parallel
 
     par = plan.parallel
-    if (par["virtual_pipeline_model_parallel_size"] or 1) > 1:
-        raise MegatronConfigError("virtual pipeline stages are not supported by asyncrl yet")
-    if par["context_parallel_size"] > 1:
-        raise MegatronConfigError(
-            "context_parallel_size > 1 is not supported yet: the RL batch is not split along "
-            "the sequence for CP ranks"
-        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(**par)
@@ -121,29 +121,44 @@ def layer_spec(plan: MegatronPlan, config: Any, device: DeviceSpec) -> tuple[Any
             "spec normalises with torch's RMSNorm, which refuses it)"
         )
     spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if config.context_parallel_size > 1:  # Megatron's local DotProductAttention refuses CP
+        from asyncrl.learner.megatron.context import ContextParallelAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     return spec, False
+
+
+def virtual_stages(plan: MegatronPlan) -> list[int | None]:
+    """The vp_stage of every model chunk of this rank ([None] without virtual stages)."""
+    vpp = plan.parallel["virtual_pipeline_model_parallel_size"]
+    return list(range(vpp)) if vpp is not None else [None]
 
 
 def build_builtin(plan: MegatronPlan, shape: ModelShape, path: Path, device: DeviceSpec,
                   trainable: bool) -> Built:  # fmt: skip
-    """GPTModel for this pipeline stage with this rank's HF weight shards loaded."""
+    """GPTModel chunks of this pipeline rank with this rank's HF weight shards loaded."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(plan, device)
     spec, te = layer_spec(plan, config, device)
-    model = GPTModel(config=config, transformer_layer_spec=spec,
-                     pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), **plan.model)  # fmt: skip
     layout = stage_layout(config, ps.get_pipeline_model_parallel_world_size())
-    offset = layout[ps.get_pipeline_model_parallel_rank()][0]
-    load_hf_into(model, HFCheckpoint(path), shape, te, offset)
-    if config.bf16 or config.fp16:
-        model = Float16Module(config, model)
-    if not trainable:
-        model.eval().requires_grad_(False)
-    return Built(model, te, layout)
+    checkpoint = HFCheckpoint(path)
+    chunks = []
+    for vp in virtual_stages(plan):
+        first = ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=vp)
+        last = ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=vp)
+        model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=first,
+                         post_process=last, vp_stage=vp, **plan.model)  # fmt: skip
+        offset = layout[ps.get_pipeline_model_parallel_rank()][vp or 0][0]
+        load_hf_into(model, checkpoint, shape, te, offset)
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        if not trainable:
+            model.eval().requires_grad_(False)
+        chunks.append(model)
+    return Built(chunks, te, layout)
 
 
 def build_with_bridge(auto_bridge: Any, plan: MegatronPlan, sc: dict, path: Path,
@@ -165,14 +180,15 @@ def build_with_bridge(auto_bridge: Any, plan: MegatronPlan, sc: dict, path: Path
         ddp_config=DistributedDataParallelConfig(**plan.ddp), wrap_with_ddp=trainable,
         bf16=plan.optimizer["bf16"], fp16=plan.optimizer["fp16"],
     )  # fmt: skip
-    model = chunks[0] if trainable else chunks[0].eval().requires_grad_(False)
-    config = unwrap(model).config
+    if not trainable:
+        chunks = [c.eval().requires_grad_(False) for c in chunks]
+    config = unwrap(chunks[0]).config
     layout = stage_layout(config, ps.get_pipeline_model_parallel_world_size())
-    return Built(model, True, layout, bridge)
+    return Built(list(chunks), True, layout, bridge)
 
 
-def wrap(built: Built, plan: MegatronPlan) -> tuple[torch.nn.Module, Any, Any]:
-    """(DDP model, Megatron optimizer, TransformerConfig) with the schedule's hooks set."""
+def wrap(built: Built, plan: MegatronPlan) -> tuple[list[torch.nn.Module], Any, Any]:
+    """(DDP model chunks, Megatron optimizer, TransformerConfig) with the schedule's hooks set."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -180,18 +196,20 @@ def wrap(built: Built, plan: MegatronPlan) -> tuple[torch.nn.Module, Any, Any]:
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    config = unwrap(built.model).config
+    config = unwrap(built.chunks[0]).config
     if built.bridge is not None:
-        ddp = built.model
-    else:
-        ddp = DistributedDataParallel(
-            config, DistributedDataParallelConfig(**plan.ddp), built.model
-        )
+        chunks = built.chunks
+    else:  # as Megatron's training loop: only the first chunk splits its grads into buckets
+        ddp_config = DistributedDataParallelConfig(**plan.ddp)
+        chunks = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0)
+                  for i, c in enumerate(built.chunks)]  # fmt: skip
     opt_kwargs = dict(plan.optimizer, params_dtype=config.params_dtype)
-    optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), [ddp])
+    optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kwargs), chunks)
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    one = len(chunks) == 1
+    config.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
     config.grad_scale_func = optimizer.scale_loss
     if plan.ddp.get("overlap_param_gather"):
-        config.param_sync_func = ddp.start_param_sync
-    return ddp, optimizer, config
+        syncs = [c.start_param_sync for c in chunks]
+        config.param_sync_func = syncs[0] if one else syncs
+    return chunks, optimizer, config

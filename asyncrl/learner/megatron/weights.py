@@ -1,9 +1,11 @@
 """HF weights into and out of a (TP/PP-sharded) Megatron GPTModel, by `hf_megatron` rules.
 
 Loading reads each rank's own shards lazily from the safetensors files (no rank ever holds the
-whole model). Export is a generator every rank of DP/CP replica 0 walks in lockstep: the owning
-pipeline stage all-gathers a parameter over its TP group, broadcasts it over the pipeline group
-and global rank 0 converts it to HF tensors and yields them; the other ranks yield nothing.
+whole model), chunk by chunk under virtual pipeline stages (each chunk's layers at its own
+global offset). Export is a generator every rank of DP/CP replica 0 walks in lockstep: the
+owning pipeline stage (and chunk) all-gathers a parameter over its TP group, broadcasts it over
+the pipeline group and global rank 0 converts it to HF tensors and yields them; the other ranks
+yield nothing.
 With Megatron-Bridge both directions go through `AutoBridge` instead (MoE/EP included).
 Megatron is imported inside the functions only.
 """
@@ -68,19 +70,28 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def stage_layout(config: Any, pp: int) -> list[tuple[int, int]]:
-    """(first global layer, layer count) of every pipeline stage."""
+def stage_layout(config: Any, pp: int) -> list[list[tuple[int, int]]]:
+    """(first global layer, layer count) of every model chunk: [pipeline rank][virtual stage]
+    (one chunk per rank without virtual pipeline stages)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    offsets = [get_transformer_layer_offset(config, pp_rank=s) for s in range(pp)]
-    ends = offsets[1:] + [config.num_layers]
-    return [(o, e - o) for o, e in zip(offsets, ends)]
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = list(range(vpp)) if vpp is not None else [None]
+    offsets = {(r, v or 0): get_transformer_layer_offset(config, vp_stage=v, pp_rank=r)
+               for r in range(pp) for v in stages}  # fmt: skip
+    starts = sorted(set(offsets.values())) + [config.num_layers]
+    count = {o: e - o for o, e in zip(starts, starts[1:])}
+    return [[(offsets[r, v], count[offsets[r, v]]) for v in range(len(stages))] for r in range(pp)]
 
 
-def owner_stage(rule: Rule, layout: list[tuple[int, int]]) -> int:
+def owner_chunk(rule: Rule, layout: list[list[tuple[int, int]]]) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding the parameter of `rule`."""
     if rule.layer is not None:
-        return next(s for s, (o, n) in enumerate(layout) if o <= rule.layer < o + n)
-    return 0 if rule.mcore.startswith("embedding.") else len(layout) - 1
+        return next((r, v) for r, chunks in enumerate(layout)
+                    for v, (o, n) in enumerate(chunks) if o <= rule.layer < o + n)  # fmt: skip
+    if rule.mcore.startswith("embedding."):
+        return 0, 0
+    return len(layout) - 1, len(layout[-1]) - 1
 
 
 def _local_name(rule: Rule, offset: int) -> str:
@@ -130,7 +141,7 @@ def _gather_tp(rule: Rule, shard: torch.Tensor, shape: ModelShape) -> torch.Tens
 
 
 def export_hf(
-    model: torch.nn.Module, shape: ModelShape, te: bool, layout: list[tuple[int, int]]
+    chunks: list[torch.nn.Module], shape: ModelShape, te: bool, layout: list[list[tuple[int, int]]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors on global rank 0 (see module docstring); a generator every rank of
     DP/CP replica 0 must drive to the end."""
@@ -141,14 +152,15 @@ def export_hf(
     stage = ps.get_pipeline_model_parallel_rank()
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
-    params = dict(unwrap(model).named_parameters())
-    dtype = next(iter(params.values())).dtype
+    params = [dict(unwrap(c).named_parameters()) for c in chunks]
+    dtype = next(iter(params[0].values())).dtype
     sender = torch.distributed.get_rank() == 0
     for rule in rules(shape, te):
-        owner = owner_stage(rule, layout)
+        owner, chunk = owner_chunk(rule, layout)
         full = None
         if owner == stage:
-            full = _gather_tp(rule, params[_local_name(rule, layout[stage][0])].detach(), shape)
+            local = _local_name(rule, layout[stage][chunk][0])
+            full = _gather_tp(rule, params[chunk][local].detach(), shape)
         if len(layout) > 1:
             if full is None:
                 full = torch.empty(rule.shape, dtype=dtype, device=torch.cuda.current_device())

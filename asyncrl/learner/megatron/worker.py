@@ -11,6 +11,12 @@ driving micro-batches. Every rank collates the whole batch and computes its batc
 advantages (REINFORCE++) before rows are split over data-parallel ranks; the proximal (and
 reference) logprobs of the whole batch are gathered so IS, rejection and batch normalisation
 see the batch.
+
+Context parallel: each row is split along the sequence (Megatron's load-balanced 2·CP chunks,
+`get_batch_on_this_cp_rank`); per-position logprobs and entropy are gathered back to whole
+sequences before the response tokens are picked, so the loss and its aggregation are exactly
+those without CP. Virtual pipeline: the model is a list of chunks and Megatron's interleaved
+schedule runs them; the micro-batch count is made a multiple of PP (dead micro-batches weigh 0).
 """
 
 from __future__ import annotations
@@ -27,14 +33,7 @@ from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
 from asyncrl.learner.megatron.args import check_options, plan
-from asyncrl.learner.megatron.batch import (
-    entropy_from_partials,
-    entropy_partials,
-    gather_response,
-    micro_batches,
-    right_align,
-    shard_rows,
-)
+from asyncrl.learner.megatron.batch import right_align, schedule_micro, shard_rows
 from asyncrl.learner.megatron.build import (
     Built,
     bridge_class,
@@ -44,6 +43,7 @@ from asyncrl.learner.megatron.build import (
     init_parallel,
     wrap,
 )
+from asyncrl.learner.megatron.logits import token_logprobs
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.weights import export_hf, export_with_bridge, load_hf_into, save_hf
@@ -104,13 +104,21 @@ class MegatronWorker:
         self.reference = None
         if actor.use_kl_loss:  # the reference policy: frozen, the actor's layout and dtype
             ref_path = spec.path if spec is not None else self.model_path
-            self.reference = self._build(ref_path, trainable=False).model
+            self.reference = self._build(ref_path, trainable=False).chunks
         self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
-        self.ddp, self.optimizer, self.config = wrap(self.built, self.plan)
+        self.chunks, self.optimizer, self.config = wrap(self.built, self.plan)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    @property
+    def ddp(self) -> torch.nn.Module:
+        """The one DDP-wrapped model when there are no virtual pipeline stages (else `chunks`)."""
+        if len(self.chunks) != 1:
+            raise AttributeError(f"the model has {len(self.chunks)} chunks (virtual pipeline "
+                                 "stages): use .chunks")  # fmt: skip
+        return self.chunks[0]
 
     def _build(self, path: Path, trainable: bool) -> Built:
         if self.auto_bridge is not None:
@@ -139,79 +147,56 @@ class MegatronWorker:
         keep = [torch.arange(len(shard_rows(rows, dp, r))) + r * width for r in range(dp)]
         return out[torch.cat(keep).to(out.device)]
 
-    # -- logprobs ----------------------------------------------------------------------------
+    # -- logprobs ---------------------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, data: dict, idx: torch.Tensor, entropy: bool):
-        from megatron.core import tensor_parallel
+        return token_logprobs(logits, data["labels"][idx], data["resp_index"][idx],
+                              self.temperature, self.vocab_size, entropy)  # fmt: skip
 
-        scaled = (
-            logits.float().div(self.temperature) if self.temperature > 0 else logits.float().clone()
-        )
-        scaled = self._mask_padded_vocab(scaled)
-        ent = self._entropy(scaled) if entropy else None
-        # vocab_parallel_cross_entropy shifts its input in place: give it its own copy
-        ce_in = scaled.clone() if ent is not None else scaled
-        per_pos = -tensor_parallel.vocab_parallel_cross_entropy(ce_in, data["labels"][idx])
-        lp = gather_response(per_pos, data["resp_index"][idx])
-        return lp, (gather_response(ent, data["resp_index"][idx]) if ent is not None else None)
+    def _micro(self, rows: torch.Tensor, size: int, filler: torch.Tensor) -> list[tuple]:
+        """(rows, live) micro-batches; as many as Megatron's interleaved schedule needs (a
+        multiple of the pipeline size) under virtual pipeline stages."""
+        multiple = self.config.pipeline_model_parallel_size if len(self.chunks) > 1 else 1
+        return schedule_micro(rows, size, filler, multiple)
 
-    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Vocabulary rows added to reach a multiple of TP are not tokens: exclude them from
-        the softmax (a finite minimum, so entropy's 0 * logit stays 0)."""
-        from megatron.core import parallel_state as ps
-
-        width = logits.shape[-1]
-        first = ps.get_tensor_model_parallel_rank() * width
-        if first + width <= self.vocab_size:
-            return logits
-        pad = torch.arange(first, first + width, device=logits.device) >= self.vocab_size
-        return logits.masked_fill(pad, torch.finfo(logits.dtype).min)
-
-    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-        m = logits.detach().max(-1).values
-        torch.distributed.all_reduce(
-            m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group()
-        )
-        s, w = entropy_partials(logits, m)
-        s, w = (
-            reduce_from_tensor_model_parallel_region(s),
-            reduce_from_tensor_model_parallel_region(w),
-        )
-        return entropy_from_partials(m, s, w)
-
-    def _run(self, model, data, micro, loss_of, forward_only: bool) -> list:
-        """Megatron's schedule over `micro` (row-index tensors); loss_of(idx, logits)."""
+    def _run(self, model: list, data, micro, loss_of, forward_only: bool) -> list:
+        """Megatron's schedule over `micro` ((row indices, live) pairs) on the model chunks;
+        loss_of(micro, logits). Every chunk reads the micro-batches in the same order."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, module):
-            idx = next(data_iterator)
+            item = next(data_iterator)
+            idx = item[0]
             out = module(data["tokens"][idx], data["position_ids"][idx], None)
-            return out, partial(loss_of, idx)
+            return out, partial(loss_of, item)
 
+        iters = [iter(micro) for _ in model]
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-            num_microbatches=len(micro), seq_length=data["tokens"].shape[1],
-            micro_batch_size=max(len(m) for m in micro), forward_only=forward_only,
+            forward_step_func=forward_step, data_iterator=iters if len(model) > 1 else iters[0],
+            model=model, num_microbatches=len(micro), seq_length=data["seq_length"],
+            micro_batch_size=max(len(m[0]) for m in micro), forward_only=forward_only,
         )  # fmt: skip
 
     @torch.no_grad()
-    def _batched_logprobs(self, model, data: dict, batch_size: int) -> torch.Tensor | None:
+    def _batched_logprobs(self, model: list, data: dict, batch_size: int) -> torch.Tensor | None:
         """Logprobs of every row of the batch (each DP rank scores its shard, `batch_size`
         rows a pass, then gather)."""
         dp, dp_rank, last = self._ranks()
         rows = data["tokens"].shape[0]
-        mine = shard_rows(rows, dp, dp_rank).to(data["tokens"].device)
-        micro = micro_batches(mine, batch_size) or [mine[:0]]
+        dev = data["tokens"].device
+        mine = shard_rows(rows, dp, dp_rank).to(dev)
+        micro = self._micro(mine, batch_size, torch.zeros(1, dtype=torch.long, device=dev))
 
-        def loss_of(idx, logits):
-            lp, _ = self._token_logprobs(logits, data, idx, entropy=False)
-            return logits.new_zeros(()), {"logprobs": lp}
+        def loss_of(item, logits):
+            lp, _ = self._token_logprobs(logits, data, item[0], entropy=False)
+            return logits.new_zeros(()), {"logprobs": lp, "live": item[1]}
 
-        model.eval()
+        for chunk in model:
+            chunk.eval()
         outs = self._run(model, data, micro, loss_of, forward_only=True)
-        part = torch.cat([o["logprobs"] for o in outs]) if last else None
+        part = None
+        if last:
+            live = [o["logprobs"] for o in outs if o["live"]]
+            part = torch.cat(live) if live else outs[0]["logprobs"][:0]
         return self._gather_rows(part, rows)
 
     # -- the update --------------------------------------------------------------------------
@@ -223,14 +208,21 @@ class MegatronWorker:
         data["response_mask"] = data["response_mask"].float()
         if data["input_ids"].shape[0] < self._ranks()[0]:
             raise ValueError("the rollout batch has fewer sequences than data-parallel ranks")
-        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        data.update(right_align(data, self.pad_id, multiple))
+        cp = self.config.context_parallel_size
+        tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        data.update(right_align(data, self.pad_id, 2 * cp * tp if cp > 1 else tp))
+        data["seq_length"] = data["tokens"].shape[1]
+        if cp > 1:  # this CP rank's positions, split as Megatron's own training loop splits
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            keys = ("tokens", "position_ids", "labels")
+            data.update(get_batch_on_this_cp_rank({k: data[k] for k in keys}))
         return data
 
     def logprobs(self, groups: list) -> torch.Tensor | None:
         """Per-token logprobs [B, R] under the current policy, rows in group-id order (on the
         last pipeline stage; None on the others)."""
-        return self._batched_logprobs(self.ddp, self._data(groups), self.train.infer_batch_size)
+        return self._batched_logprobs(self.chunks, self._data(groups), self.train.infer_batch_size)
 
     def step(self, groups: list) -> dict[str, float]:
         start = time.perf_counter()
@@ -252,7 +244,7 @@ class MegatronWorker:
         alg = self.algorithm
         recomputed = None
         if alg.correction_mode == "decoupled":
-            recomputed = self._batched_logprobs(self.ddp, data, self.train.infer_batch_size)
+            recomputed = self._batched_logprobs(self.chunks, data, self.train.infer_batch_size)
         ref = None
         if self.reference is not None:
             ref = self._batched_logprobs(self.reference, data, self.reference_batch_size)
@@ -286,22 +278,23 @@ class MegatronWorker:
 
     def _mini_batch(self, data, prep, mine: torch.Tensor, batch: torch.Tensor) -> dict[str, float]:
         """One optimizer step: Megatron divides each micro-batch loss by their number and DDP
-        averages over DP ranks; the loss is scaled back so the gradient is the mini-batch's."""
+        averages over DP ranks; the loss is scaled back so the gradient is the mini-batch's.
+        (Under CP Megatron also multiplies the loss by CP and DDP averages over DP x CP.)"""
         dp, _, last = self._ranks()
         dev = data["tokens"].device
-        micro = micro_batches(mine.to(dev), self.train.training_args.per_device_train_batch_size)
-        empty = not micro  # no rows here: a zero-weighted pass keeps the collectives matched
-        micro = micro or [batch[:1].to(dev)]
+        size = self.train.training_args.per_device_train_batch_size
+        # A rank with no rows (or too few) runs dead passes: collectives stay matched.
+        micro = self._micro(mine.to(dev), size, batch[:1].to(dev))
         totals = None
         if last:
             tokens = prep["mask"][batch.to(dev)].sum().clamp(min=1.0)
             totals = {"tokens": tokens, "seqs": float(len(batch))}
-        scale = 0.0 if empty else len(micro) * dp
-        self.ddp.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+            chunk.train()
         self.optimizer.zero_grad()
-        self.ddp.train()
-        loss_of = partial(self._micro_loss, data, prep, totals, scale)
-        outs = self._run(self.ddp, data, micro, loss_of, forward_only=False)
+        loss_of = partial(self._micro_loss, data, prep, totals, len(micro) * dp)
+        outs = self._run(self.chunks, data, micro, loss_of, forward_only=False)
         for group in self.optimizer.param_groups:
             group["lr"] = self.train.training_args.learning_rate * self.lr_factor(self.lr_step)
         _, grad_norm, _ = self.optimizer.step()
@@ -310,16 +303,19 @@ class MegatronWorker:
         metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         return metrics
 
-    def _micro_loss(self, data, prep, totals, scale, idx, logits):
+    def _micro_loss(self, data, prep, totals, scale, item, logits):
         actor = self.actor
-        lp, ent = self._token_logprobs(logits, data, idx, entropy=actor.entropy_coeff != 0)
+        idx, live = item
+        lp, ent = self._token_logprobs(logits, data, idx, entropy=True)  # logged every step
+        if actor.entropy_coeff == 0:
+            ent = ent.detach()  # a metric only: no graph kept for it
         rows = {k: prep[k][idx] if prep[k] is not None else None for k in ("old", "weights", "ref")}
         rows.update(mask=prep["mask"][idx], advantages=data["advantages"][idx])
         rows["rollout_logprobs"] = data["rollout_logprobs"][idx]
         loss, metrics = objective(actor, self.loss_fn, self.loss_params, lp, ent, rows)
-        share = micro_share(actor.loss_agg_mode, rows["mask"], len(idx), totals)
-        # A rank with no rows runs one zero-weighted pass (scale 0): its metrics weigh nothing.
-        metrics["_share"] = float(share) if scale else 0.0
+        share = micro_share(actor.loss_agg_mode, rows["mask"], len(idx), totals) if live else 0.0
+        # A dead micro-batch (no rows of this rank's) weighs nothing, its metrics neither.
+        metrics["_share"] = float(share)
         return loss * share * scale, metrics
 
     def _mean_metrics(self, outs: list) -> dict[str, float]:
@@ -337,10 +333,11 @@ class MegatronWorker:
     # -- weights and state -------------------------------------------------------------------
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.plan.ddp.get("overlap_param_gather"):
-            self.ddp.start_param_sync(force_sync=True)
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
         if self.built.bridge is not None:
-            return export_with_bridge(self.built.bridge, [self.ddp])
-        return export_hf(self.ddp, self.shape, self.built.te, self.built.layout)
+            return export_with_bridge(self.built.bridge, self.chunks)
+        return export_hf(self.chunks, self.shape, self.built.te, self.built.layout)
 
     def load_hf(self, named: dict[str, torch.Tensor]) -> None:
         """Load full HF-named tensors (a checkpoint's model) into this rank's shards."""
@@ -351,8 +348,9 @@ class MegatronWorker:
 
             with tempfile.TemporaryDirectory() as tmp:
                 save_hf(iter(named.items()), self.model_path, Path(tmp))
-                self.built.bridge.load_hf_weights([self.ddp], hf_path=tmp)
+                self.built.bridge.load_hf_weights(self.chunks, hf_path=tmp)
         else:
-            offset = self.built.layout[ps.get_pipeline_model_parallel_rank()][0]
-            load_hf_into(self.ddp, named.__getitem__, self.shape, self.built.te, offset)
+            stage = self.built.layout[ps.get_pipeline_model_parallel_rank()]
+            for chunk, (offset, _) in zip(self.chunks, stage, strict=True):
+                load_hf_into(chunk, named.__getitem__, self.shape, self.built.te, offset)
         self.optimizer.reload_model_params()  # refresh the fp32 main copies from the model

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.learner.objective import check_estimator
+from asyncrl.learner.objective import check_learner_side
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch.learner import TorchLearner
 from asyncrl.net import free_port
@@ -47,10 +47,11 @@ class DistributedTorchLearner:
 
         if world_size < 2:
             raise ValueError("DistributedTorchLearner needs world_size >= 2")
-        check_estimator(kwargs["algorithm"])  # before any rank process starts
+        alg = kwargs["algorithm"]  # before any rank process starts:
+        check_learner_side(alg, kwargs.get("critic") is not None, world_size)
         reference_spec(  # likewise: a reference of another vocabulary fails here, once
             kwargs.get("reference"), kwargs["model_path"], kwargs["train"],
-            kwargs["actor"].use_kl_loss,
+            kwargs["actor"].use_kl_loss or alg.use_kl_in_reward,
         )  # fmt: skip
         init_ray()
         self._ray = ray
@@ -81,6 +82,9 @@ class DistributedTorchLearner:
 
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.local.weights_for_sync()
+
+    def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        return self.local.adapter_for_sync()  # every rank holds the same adapter
 
     def save_pretrained(self, path: Any) -> None:
         self.local.save_pretrained(path)

@@ -1,9 +1,12 @@
 """The plain-PyTorch learner (`fsdp2_train`): the CPU default, also runs on one CUDA device.
 
-One `step` = one rollout batch: the batch-level advantages (REINFORCE++, on the whole batch
-before any row is sharded) → recompute the proximal logprobs (decoupled) or take the rollout
-ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → `ppo_epochs` passes
-of mini-batches, each one optimizer step accumulated over micro-batches → version += 1.
+One `step` = one rollout batch: recompute the proximal logprobs (decoupled) or take the
+rollout ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → the
+batch-level advantages on the whole batch before any row is sharded (REINFORCE++; gae with the
+critic's fresh values, `asyncrl.learner.critic`; token rewards minus beta · KL with
+use_kl_in_reward) → the critic's update → `ppo_epochs` passes of mini-batches, each one
+optimizer step accumulated over micro-batches (none in the first `critic_warmup` steps) →
+version += 1 (every step, so admission opens per version even while the actor waits).
 """
 
 from __future__ import annotations
@@ -17,15 +20,21 @@ from typing import Any
 
 import torch
 
+from asyncrl.algo.advantages import outcome_token_rewards
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner import lora
+from asyncrl.learner.critic import Critic, value_metrics
 from asyncrl.learner.logprobs import batched_logprobs, select_rows, token_logprobs
 from asyncrl.learner.objective import (
     advantage_metrics,
+    advantages_and_returns,
     batch_advantages,
-    check_estimator,
+    check_learner_side,
     correct,
+    kl_controller,
+    kl_reward,
     loss_params,
     lr_factor,
     micro_share,
@@ -33,6 +42,7 @@ from asyncrl.learner.objective import (
     rollout_is_settings,
 )
 from asyncrl.learner.reference import ReferenceSpec, reference_spec
+from asyncrl.learner.torch.critic import build_critic
 from asyncrl.types import TrajectoryGroup, collate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,8 +50,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class TorchLearner:
     """`Learner` over a transformers causal LM. Receives only its own sub-configs:
-    `actor_train` (`train`), `actor`, `algorithm`, and `reference` (the KL reference policy's
-    section; None: a frozen copy of the initial actor, see `asyncrl.learner.reference`)."""
+    `actor_train` (`train`), `actor`, `algorithm`, `reference` (the KL reference policy's
+    section; None: a frozen copy of the initial actor, see `asyncrl.learner.reference`) and
+    `critic` (the value model's section; None: no critic)."""
 
     def __init__(
         self,
@@ -56,13 +67,16 @@ class TorchLearner:
         rank: int = 0,
         world_size: int = 1,
         reference: WorkerConfig | None = None,
+        critic: WorkerConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        check_estimator(algorithm)  # before the model loads: a gae run fails at once
+        # Before the model loads: a gae run without a critic fails at once
+        check_learner_side(algorithm, critic is not None, world_size)
         self.rollout_is = rollout_is_settings(algorithm)  # likewise a bad IS setting
         # Likewise a reference section that cannot be honoured (vocabulary, devices).
-        self.reference_spec = reference_spec(reference, model_path, train, actor.use_kl_loss)
+        uses_ref = actor.use_kl_loss or algorithm.use_kl_in_reward
+        self.reference_spec = reference_spec(reference, model_path, train, uses_ref)
         torch.manual_seed(seed)
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
@@ -75,9 +89,16 @@ class TorchLearner:
             # transformers 5 renamed it; the old name (all that 4.x has) warns there
             enable = getattr(self.model, "activation_checkpointing_enable", None)
             (enable or self.model.gradient_checkpointing_enable)()
+        self.lora = train.model_args.lora_rank > 0
+        if self.lora:
+            if not train.model_args.disable_gradient_checkpointing:
+                # Reentrant checkpointing of a frozen base would leave the adapter without
+                # gradients: the embeddings' output must require grad (peft's documented fix).
+                self.model.enable_input_require_grads()
+            self.model = lora.wrap(self.model, train.model_args)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.reference = self._make_reference() if actor.use_kl_loss else None
+        self.reference = self._make_reference() if uses_ref else None
         spec = self.reference_spec
         self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
         # Data parallel: every rank holds a replica; DDP all-reduces (averages) the gradients.
@@ -93,12 +114,18 @@ class TorchLearner:
         )
         self.loss_params = loss_params(actor)
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
+        self.critic: Critic | None = None
+        if critic is not None:
+            self.critic = build_critic(critic, model_path, actor, algorithm, device, total_steps)
+        self.kl_ctrl = kl_controller(algorithm)  # None unless use_kl_in_reward
 
     # -- construction helpers ----------------------------------------------------------------
     def _make_reference(self) -> torch.nn.Module:
         """The KL reference policy (see `asyncrl.learner.reference`): the configured model in
         its dtype (null: the actor's), else a copy of the initial actor; frozen, in eval mode."""
         spec: ReferenceSpec | None = self.reference_spec
+        if spec is None and self.lora:  # the base never trains: the adapter-off policy is π_0
+            return lora.AdapterOff(self.model)
         if spec is None:
             return _frozen(copy.deepcopy(self.model))
         from transformers import AutoModelForCausalLM
@@ -132,14 +159,20 @@ class TorchLearner:
         groups = sorted(groups, key=lambda g: g.group_id)
         data = collate(groups, self.pad_id).to_torch(self.device)
         data["response_mask"] = data["response_mask"].float()
-        # Batch-level advantages see every row of the batch: computed before any sharding.
-        data["advantages"] = batch_advantages(self.algorithm, data)
-        adv_metrics = advantage_metrics(data["advantages"], data["response_mask"])
         total_rows = data["input_ids"].shape[0]
-        if self.world_size > 1:  # this rank's shard: global row r lives on rank r % world
+        if self.world_size > 1:
+            # Batch-level advantages see every row of the batch: computed before sharding.
+            data["advantages"] = batch_advantages(self.algorithm, data)
+            adv_metrics = advantage_metrics(data["advantages"], data["response_mask"])
+            # this rank's shard: global row r lives on rank r % world
             data = select_rows(data, torch.arange(self.rank, total_rows, self.world_size))
-        prep, metrics = self._prepare(data)
-        metrics.update(self._optimise(data, prep, total_rows))
+            prep, metrics = self._prepare(data)
+        else:  # one process holds the whole batch: KL-in-reward and GAE need old/ref/values
+            prep, metrics = self._prepare(data)
+            adv_metrics = self._advantages(data, prep)
+        warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
+        if not warmup:  # critic_warmup: the first steps train the critic only
+            metrics.update(self._optimise(data, prep, total_rows))
         metrics = self._average_over_ranks(metrics)
         self.version += 1
         metrics.update(
@@ -172,7 +205,29 @@ class TorchLearner:
             ref = batched_logprobs(
                 self.reference, data, self.temperature, self.reference_batch_size
             )
-        return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
+        # "ref" is what the KL loss reads (only with use_kl_loss); KL-in-reward reads "ref_all".
+        loss_ref = ref if self.actor.use_kl_loss else None
+        prep = {"old": old, "weights": weights, "mask": mask, "ref": loss_ref, "ref_all": ref}
+        return prep, metrics
+
+    def _advantages(self, data: dict[str, torch.Tensor], prep: dict[str, Any]) -> dict[str, float]:
+        """Set `data["advantages"]` for the whole batch: token rewards (each row's reward on its
+        last valid token, minus beta · KL with use_kl_in_reward), the critic's values (fresh:
+        this batch, the current critic), the estimator; then the critic's update on the batch.
+        The critic trains on the collated loss mask, as GAE saw it (not rejection's)."""
+        alg, mask = self.algorithm, data["response_mask"]
+        rewards, metrics = None, {}
+        if self.kl_ctrl is not None:
+            rewards = outcome_token_rewards(data["rewards"].to(torch.float64), mask > 0)
+            rewards, metrics = kl_reward(alg, self.kl_ctrl, rewards, prep["old"], prep["ref_all"],
+                                         mask)  # fmt: skip
+        values = self.critic.values(data) if self.critic is not None else None
+        data["advantages"], returns = advantages_and_returns(alg, data, rewards, values)
+        metrics.update(advantage_metrics(data["advantages"], mask))
+        if self.critic is not None and values is not None:
+            metrics.update(value_metrics(values, returns, mask))
+            metrics.update(self.critic.update(data, values, returns, mask))
+        return metrics
 
     def _optimise(
         self, data: dict[str, torch.Tensor], prep: dict[str, Any], total_rows: int
@@ -251,9 +306,10 @@ class TorchLearner:
         actor = self.actor
         micro = select_rows(data, idx)
         mask = prep["mask"][idx]
-        logp, entropy = token_logprobs(
-            self.train_model, micro, self.temperature, with_entropy=actor.entropy_coeff != 0
-        )
+        logp, entropy = token_logprobs(self.train_model, micro, self.temperature, with_entropy=True)
+        if actor.entropy_coeff == 0 and entropy is not None:
+            # Only the metric needs it: detached, its graph (a [B, R, V] softmax) is freed now.
+            entropy = entropy.detach()
         rows = {k: prep[k][idx] if prep[k] is not None else None for k in ("old", "weights", "ref")}
         rows.update(mask=mask, advantages=micro["advantages"])
         rows["rollout_logprobs"] = micro["rollout_logprobs"]
@@ -273,10 +329,22 @@ class TorchLearner:
 
     # -- weights and state -------------------------------------------------------------------
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF names (with LoRA: the adapter merged in)."""
+        if self.lora:
+            yield from lora.merged_tensors(self.model)
+            return
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
+    def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """Only the LoRA adapter (`asyncrl.learner.lora.adapter_tensors`); None without LoRA."""
+        return lora.adapter_tensors(self.model) if self.lora else None
+
     def save_pretrained(self, path: str | Path) -> None:
+        """HF export; with LoRA the merged model plus the PEFT adapter in `path/adapter`."""
+        if self.lora:
+            lora.save(self.model, path)
+            return
         self.model.save_pretrained(path)
 
     def close(self) -> None:
@@ -284,23 +352,27 @@ class TorchLearner:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
+            # With LoRA the base never changes (it is the model directory): the adapter only.
+            "model": lora.adapter_state(self.model) if self.lora else self.model.state_dict(),
+            "lora": self.lora,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "reference": self._reference_state(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
         }
 
     def _reference_state(self) -> dict[str, Any] | None:
         """The frozen initial actor must be saved (training overwrites its source); a configured
         reference is reloaded from its own model directory instead."""
-        if self.reference is None or self.reference_spec is not None:
+        if self.reference is None or self.reference_spec is not None or self.lora:
             return None
         return self.reference.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "model" in state:
-            self.model.load_state_dict(state["model"])
+        if "model" in state:  # the full model, or with LoRA the adapter only
+            lora.load_model_state(self.model, state, self.train.model_args.lora_rank)
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
@@ -309,6 +381,12 @@ class TorchLearner:
         frozen_copy = self.reference is not None and self.reference_spec is None
         if frozen_copy and state.get("reference") is not None:
             self.reference.load_state_dict(state["reference"])
+        # A checkpoint without them (saved before the critic or KL-in-reward was configured)
+        # leaves the fresh critic and the initial coefficient.
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_state_dict(state["critic"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.version = int(state.get("version", self.version))
 
 

@@ -1,0 +1,173 @@
+"""What engines answer: the errors, and `/generate` replies checked into `Completion`s.
+
+Every reply is checked before it is trusted: a malformed one raises `EngineReplyError` naming
+the engine URL and what is wrong. Per-token weight versions come from SGLang's spans
+(`meta_info["weight_versions"]`, 0.5.23) or asyncrl's hf server's per-token list; otherwise
+every token gets the request's final `weight_version`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+class EngineError(RuntimeError):
+    """An engine call failed (connection, HTTP status, or an explicit `success: false`)."""
+
+    def __init__(self, url: str, problem: str) -> None:
+        super().__init__(f"engine {url}: {problem}")
+        self.url = url
+        self.problem = problem
+
+
+class EngineReplyError(EngineError):
+    """The engine answered, but the reply breaks the protocol."""
+
+
+class EngineTimeoutError(EngineError):
+    """The engine did not answer within the call's timeout."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    input_ids: list[int]
+    sampling_params: dict = field(default_factory=dict)
+    rid: str | None = None
+    return_logprob: bool = True
+    extra_key: str | None = None
+    """SGLang's prefix-cache namespace; None: the client's own, from the weight version
+    (`cache_namespace`)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    output_ids: list[int]
+    output_logprobs: list[float]  # empty when return_logprob was False
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str  # as the engine reports it (SGLang versions are strings)
+    prompt_tokens: int
+    rid: str = ""
+    output_token_versions: list[str] | None = None  # hf server, or SGLang's version spans
+    abort_status: int | None = None  # an abort's HTTP-like status (SGLang: 400 = bad input)
+    abort_message: str = ""
+
+    @property
+    def version(self) -> int | None:
+        """`weight_version` as an int: asyncrl sends ints; SGLang's initial "default" is 0."""
+        if self.weight_version == "default":
+            return 0
+        try:
+            return int(self.weight_version)
+        except ValueError:
+            return None
+
+    def token_versions(self) -> list[int]:
+        """The policy version of every output token.
+
+        asyncrl's hf server reports the version that sampled each token, SGLang 0.5.23 spans of
+        them (`meta_info["weight_versions"]`). Older SGLang reports one version per request
+        (the one current when it finished), so every token gets it; tokens sampled before an
+        in-place/retract weight update are then labelled with the newer version (their
+        logprobs are still the sampling policy's own).
+        """
+        if self.output_token_versions is not None:
+            return [_as_version(v) for v in self.output_token_versions]
+        if self.version is None:
+            raise ValueError(f"weight_version {self.weight_version!r} is not an integer version")
+        return [self.version] * len(self.output_ids)
+
+
+def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
+    """Check one /generate reply item and turn it into a Completion."""
+
+    def bad(problem: str) -> EngineReplyError:
+        return EngineReplyError(url, f"malformed /generate reply: {problem}")
+
+    if not isinstance(obj, dict):
+        raise bad(f"expected an object, got {type(obj).__name__}")
+    meta = obj.get("meta_info")
+    if not isinstance(meta, dict):
+        raise bad("missing meta_info")
+    out = obj.get("output_ids")
+    if not isinstance(out, list) or not all(_is_int(t) for t in out):
+        raise bad("output_ids missing or not a list of ints")
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
+        raise bad(f"finish_reason {finish!r} is not {{'type': stop|length|abort}}")
+    if "weight_version" not in meta:
+        raise bad("meta_info has no weight_version (SGLang older than 0.5?)")
+    prompt_tokens = meta.get("prompt_tokens")
+    if not _is_int(prompt_tokens):
+        raise bad("meta_info.prompt_tokens missing or not an int")
+    logprobs: list[float] = []
+    if want_logprob:
+        logprobs = _parse_logprobs(meta.get("output_token_logprobs"), out, bad)
+    versions = meta.get("output_token_weight_versions")
+    if versions is None and meta.get("weight_versions") is not None:
+        versions = _spans_to_tokens(meta["weight_versions"], len(out), bad)
+    if versions is not None and (not isinstance(versions, list) or len(versions) != len(out)):
+        raise bad("output_token_weight_versions is not one version per output token")
+    if versions is not None and not all(_is_version(v) for v in versions):
+        raise bad("output_token_weight_versions holds a non-integer version")
+    return Completion(
+        output_ids=out,
+        output_logprobs=logprobs,
+        finish_reason=finish["type"],
+        weight_version=str(meta["weight_version"]),
+        prompt_tokens=prompt_tokens,
+        rid=str(meta.get("id", "")),
+        output_token_versions=[str(v) for v in versions] if versions is not None else None,
+        abort_status=finish.get("status_code") if _is_int(finish.get("status_code")) else None,
+        abort_message=str(finish.get("message") or "") if finish["type"] == "abort" else "",
+    )
+
+
+def _spans_to_tokens(spans: object, n: int, bad) -> list[str]:
+    """SGLang's `[{"version", "start", "end"}, ...]` (contiguous, covering every output token)
+    -> one version per token."""
+    if not isinstance(spans, list) or not spans:
+        raise bad("weight_versions is not a non-empty list of spans")
+    out: list[str] = []
+    for span in spans:
+        if not isinstance(span, dict) or not all(_is_int(span.get(k)) for k in ("start", "end")):
+            raise bad(f"weight_versions span {span!r} is not {{version, start, end}}")
+        if span["start"] != len(out) or span["end"] < span["start"]:
+            raise bad(f"weight_versions span {span!r} does not continue at token {len(out)}")
+        out += [str(span.get("version"))] * (span["end"] - span["start"])
+    if len(out) != n:
+        raise bad(f"weight_versions spans cover {len(out)} tokens, the output has {n}")
+    return out
+
+
+def _is_version(v: object) -> bool:
+    return v == "default" or _is_int(v) or (isinstance(v, str) and v.lstrip("-").isdigit())
+
+
+def _as_version(v: str) -> int:
+    """SGLang's initial "default" counts as version 0."""
+    return 0 if v == "default" else int(v)
+
+
+def _parse_logprobs(entries: object, out: list[int], bad) -> list[float]:
+    if not isinstance(entries, list):
+        raise bad("return_logprob was set but output_token_logprobs is missing")
+    if len(entries) != len(out):
+        raise bad(f"{len(entries)} output_token_logprobs for {len(out)} output tokens")
+    lps = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, list | tuple) or len(e) < 2:
+            raise bad(f"output_token_logprobs[{i}] is not (logprob, token_id, text)")
+        lp, tok = e[0], e[1]
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise bad(f"non-finite logprob {lp!r} at output position {i}")
+        if tok != out[i]:
+            raise bad(f"output_token_logprobs[{i}] is for token {tok!r}, output has {out[i]}")
+        lps.append(float(lp))
+    return lps
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

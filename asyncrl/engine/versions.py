@@ -1,0 +1,79 @@
+"""Which SGLang releases asyncrl drives, and how each one wants its weight sync done.
+
+Read from SGLang's own source (wheels 0.5.6, 0.5.21, 0.5.23; see tests/test_sglang_contract.py):
+
+- `update_weights_from_distributed` outside `/begin_weight_update` ... `/end_weight_update`
+  answers `success: false` from 0.5.21 on (scheduler `weight_updater._session is None`), and
+  the learner's broadcast would then wait for its timeout: `session`.
+- 0.5.6's tokenizer manager returns early while paused, before it records
+  `weight_version`, so the version must be set by `/update_weight_version` afterwards
+  (fixed by 0.5.21): `explicit_version`.
+- A cache flush succeeds only when the scheduler is idle. In `in_place` mode the paused
+  requests keep their KV, so a flush never succeeds while they wait (0.5.6-0.5.22 then die on
+  `assert flush_cache_success`, 0.5.23 fails the update): asyncrl never flushes in `in_place`
+  and relies on the per-version cache namespace (`extra_key`) instead. With `abort` the engine
+  empties; with `retract` the requests move to the waiting queue, which 0.5.15's idle check
+  counts (the flush never succeeds while paused) and 0.5.6's and >= 0.5.21's do not
+  (`is_fully_idle(ignore_waiting=paused)`): `flush_modes`.
+- 0.5.23 reports per-token version spans (`meta_info["weight_versions"]`).
+
+`hf` is asyncrl's own server (`engine/hf`): the newest protocol, minus the session.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: The supported range, as in pyproject.toml's `sglang` extra: lowest and highest read.
+MIN_VERSION = (0, 5, 6)
+MAX_VERSION = (0, 5, 23)
+#: What asyncrl's hf server reports as its `version` in /server_info.
+HF_SERVER_VERSION = "asyncrl-hf"
+
+
+class UnsupportedEngineError(RuntimeError):
+    """An engine whose reported version asyncrl has no weight-sync protocol for."""
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """The weight-sync steps one engine version needs (see the module docstring)."""
+
+    version: str
+    """As the engine reported it (`/server_info` -> `version`)."""
+    session: bool = False
+    """Buckets must be sent between /begin_weight_update and /end_weight_update."""
+    explicit_version: bool = False
+    """The version on the last bucket is lost while paused: set it with /update_weight_version."""
+    flush_modes: tuple[str, ...] = ("abort", "retract")
+    """Pause modes after which a cache flush can succeed (once the engine is idle)."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """`0.5.6`, `0.5.15.post1`, `0.5.23rc0` -> (major, minor, patch)."""
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", str(text).strip())
+    if not m:
+        raise UnsupportedEngineError(f"engine reports version {text!r}, not MAJOR.MINOR.PATCH")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def profile_for(version: str) -> EngineProfile:
+    """The profile of an engine reporting `version`; UnsupportedEngineError outside the range."""
+    if version == HF_SERVER_VERSION:
+        return EngineProfile(version)
+    v = parse_version(version)
+    if not MIN_VERSION <= v <= MAX_VERSION:
+        lo, hi = (".".join(map(str, x)) for x in (MIN_VERSION, MAX_VERSION))
+        raise UnsupportedEngineError(
+            f"SGLang {version} is outside the supported range {lo}..{hi} "
+            "(pip install 'asyncrl[sglang]' picks one inside it)"
+        )
+    # 0.5.7-0.5.20 not read one by one: the conservative choice for each unknown
+    retract_flush = v <= (0, 5, 6) or v >= (0, 5, 21)
+    return EngineProfile(
+        version,
+        session=v >= (0, 5, 21),
+        explicit_version=v < (0, 5, 21),
+        flush_modes=("abort", "retract") if retract_flush else ("abort",),
+    )

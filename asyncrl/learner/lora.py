@@ -1,0 +1,161 @@
+"""LoRA for the torch learner, through peft: wrap, the adapter-off reference, sync and export.
+
+The policy is `PeftModel(base)`: only the adapter (`lora_A`, `lora_B` of every targeted linear
+layer) trains; the base keeps `model_args.dtype` and never changes, so the KL reference with
+`reference: null` is the same model with the adapter disabled (no second copy of the base).
+
+Two ways out of the learner, both under the base model's Hugging Face names:
+- `adapter_tensors`: per targeted layer `M`, `M.lora_A.weight` [r, in] and `M.lora_B.weight`
+  [out, r] with the LoRA scaling already folded into B, so an engine needs no adapter config to
+  serve W = W0 + B·A (`asyncrl.engine.hf.weights` keeps W0 pristine and recomputes it per sync);
+- `merged_tensors`: the full state dict with every targeted weight merged (W0 + ΔW by peft's
+  own `get_delta_weight`), for engines that take full weights only (SGLang in `merge` mode) and
+  for the HF export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from asyncrl.config.schema import ModelArgs
+from asyncrl.weights.buckets import LORA_A, LORA_B
+
+ADAPTER = "default"  # peft's adapter name: the policy has exactly one
+
+
+class LoraSetupError(ValueError):
+    """The model cannot take the configured adapter; one line naming the key."""
+
+
+def wrap(model: torch.nn.Module, args: ModelArgs) -> Any:
+    """`model` as a peft LoRA model (fresh adapter: B = 0, so the policy starts as the base).
+    Only plain linear layers may be targeted: the adapter sync folds B·A into `weight`."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.target_modules,
+        exclude_modules=list(args.lora_target_exclude) or None,
+        use_rslora=args.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as e:  # peft's "Target modules ... not found in the base model"
+        first = str(e).splitlines()[0]
+        raise LoraSetupError(f"actor_train.model_args.target_modules: {first}") from None
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
+            raise LoraSetupError(
+                f"actor_train.model_args.target_modules: {hf_name(name)} is a "
+                f"{type(module.get_base_layer()).__name__}, not a linear layer"
+            )
+        if isinstance(module, LoraLinear) and module.fan_in_fan_out:
+            raise LoraSetupError(f"{hf_name(name)}: Conv1D (fan_in_fan_out) layers unsupported")
+    return peft_model
+
+
+def hf_name(peft_name: str) -> str:
+    """A module or parameter name of the peft model under the base model's HF name."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def lora_layers(peft_model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """(HF module name, peft LoRA layer) for every adapted layer, in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            yield hf_name(name), module
+
+
+@torch.no_grad()
+def adapter_tensors(peft_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter as synced: per layer A and scaling·B (see the module docstring)."""
+    for name, layer in lora_layers(peft_model):
+        yield f"{name}.{LORA_A}", layer.lora_A[ADAPTER].weight.detach()
+        yield f"{name}.{LORA_B}", layer.lora_B[ADAPTER].weight.detach() * layer.scaling[ADAPTER]
+
+
+@torch.no_grad()
+def merged_tensors(peft_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full model under HF names, each adapted weight merged (in the base's dtype)."""
+    layers = dict(lora_layers(peft_model))
+    for name, tensor in peft_model.get_base_model().state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = hf_name(name)
+        module, _, leaf = name.rpartition(".")
+        layer = layers.get(module)
+        if layer is not None and leaf == "weight":
+            delta = layer.get_delta_weight(ADAPTER)
+            tensor = (tensor.float() + delta.float()).to(tensor.dtype)
+        yield name, tensor.detach()
+
+
+class AdapterOff(torch.nn.Module):
+    """The KL reference of a LoRA policy: the policy's forward with its adapter disabled.
+    Holds no weights of its own (the peft model is kept out of the module tree), so nothing is
+    copied and its `state_dict` is empty."""
+
+    def __init__(self, peft_model: Any) -> None:
+        super().__init__()
+        self._policy = [peft_model]  # a list: not registered as a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self._policy[0]
+        with policy.disable_adapter():
+            return policy(*args, **kwargs)
+
+
+def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's trainable tensors (peft's own keys), as a checkpoint stores them."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def load_adapter_state(peft_model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load `adapter_state`'s output; every adapter tensor must be present."""
+    from peft import set_peft_model_state_dict
+
+    missing = set(adapter_state(peft_model)) - set(state)
+    if missing:
+        raise LoraSetupError(
+            f"checkpoint adapter lacks {len(missing)} tensor(s), first {sorted(missing)[0]!r} "
+            "(saved with another lora_rank or target_modules?)"
+        )
+    set_peft_model_state_dict(peft_model, state)
+
+
+def load_model_state(model: Any, state: dict[str, Any], lora_rank: int) -> None:
+    """Load a learner checkpoint's `model` entry: the adapter with LoRA, else the full model;
+    a checkpoint of the other kind is refused in one line."""
+    if bool(state.get("lora", False)) != (lora_rank > 0):
+        raise LoraSetupError(
+            f"checkpoint {'has' if state.get('lora') else 'has no'} LoRA adapter but "
+            f"actor_train.model_args.lora_rank is {lora_rank}"
+        )
+    if lora_rank > 0:
+        load_adapter_state(model, state["model"])
+    else:
+        model.load_state_dict(state["model"])
+
+
+def save(peft_model: Any, path: Any) -> None:
+    """HF export: the merged model at `path` (a plain HF model directory) and the adapter in
+    PEFT format at `path/adapter` (`PeftModel.from_pretrained(base, path / "adapter")`)."""
+    from pathlib import Path
+
+    path = Path(path)
+    merged = dict(merged_tensors(peft_model))
+    peft_model.get_base_model().save_pretrained(path, state_dict=merged)
+    peft_model.save_pretrained(path / "adapter")

@@ -1,0 +1,58 @@
+"""Build the torch learner's critic from the `critic:` section (see `asyncrl.learner.critic`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner.critic import CriticSettings, TorchCritic, ValueModel, critic_model_path
+from asyncrl.learner.objective import lr_factor
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_critic(
+    section: WorkerConfig,
+    actor_path: str | Path,
+    actor: ActorConfig,
+    algorithm: AlgorithmConfig,
+    device: str,
+    total_steps: int,
+) -> TorchCritic:
+    """The value model (the trunk of the HF model at the critic's path, which defaults to the
+    actor's, plus a zero value head) on the learner's device, its optimizer and schedule."""
+    from transformers import AutoModel
+
+    path = critic_model_path(section.model_args.model_name_or_path, actor_path)
+    dtype = DTYPES[section.model_args.dtype or "fp32"]
+    # AutoModel is the architecture without its LM head (Qwen2ForCausalLM -> Qwen2Model): the
+    # checkpoint's trunk weights load, the vocabulary projection is never built.
+    trunk = AutoModel.from_pretrained(path, dtype=dtype)
+    text = trunk.config.get_text_config() if hasattr(trunk.config, "get_text_config") else None
+    model = ValueModel(trunk, int((text or trunk.config).hidden_size)).to(device)
+    if not section.model_args.disable_gradient_checkpointing:
+        # transformers 5 renamed it; the old name (all that 4.x has) warns there
+        enable = getattr(trunk, "activation_checkpointing_enable", None)
+        (enable or trunk.gradient_checkpointing_enable)()
+    targs, optim = section.training_args, actor.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optim.name == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            params, lr=targs.learning_rate, weight_decay=targs.weight_decay
+        )
+    else:
+        opt = torch.optim.AdamW(params, lr=targs.learning_rate, weight_decay=targs.weight_decay,
+                                betas=tuple(optim.betas), eps=optim.eps)  # fmt: skip
+    settings = CriticSettings(
+        cliprange_value=algorithm.cliprange_value,
+        loss_agg_mode=actor.loss_agg_mode,
+        ppo_epochs=actor.ppo_epochs,
+        mini_batch_size=actor.ppo_mini_batch_size,
+        micro_batch_size=targs.per_device_train_batch_size,
+        infer_batch_size=section.infer_batch_size,
+        max_grad_norm=targs.max_grad_norm,
+        shuffle=actor.shuffle,
+    )
+    return TorchCritic(model, opt, lr_factor(targs, optim, total_steps), settings)

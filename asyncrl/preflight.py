@@ -1,0 +1,78 @@
+"""What this machine must have for the configured backends, checked before anything starts.
+
+`config validate` checks a config on its own (it is often checked on another machine); this
+checks it against the machine that is about to run it: the packages each backend imports and
+the accelerator it drives. A piece that is missing is one line naming it (`MissingPieceError`,
+exit status 2 from the CLI), before a model is built, Ray starts or an engine is launched —
+never an ImportError deep in a worker or an engine's log tail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+
+class MissingPieceError(RuntimeError):
+    """A configured backend needs a package or a device this machine does not have."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is absent or broken
+        return False
+
+
+def _server_urls(worker: Any) -> list[str]:
+    return list(worker.strategy_args.strategy_config.get("server_urls") or [])
+
+
+def missing_pieces(cfg: Any, device_kind: str) -> list[str]:
+    """One line per backend of `cfg` that cannot run here (empty: all can). `device_kind` is
+    this machine's accelerator (cuda | npu | cpu, from `asyncrl.device.detect_device`)."""
+    missing = []
+    infer = cfg.actor_infer.strategy_args.strategy_name
+    # Engines asyncrl launches itself run here; servers the config names (server_urls) run
+    # wherever they run, and only their HTTP API is needed.
+    if infer == "sglang" and not _server_urls(cfg.actor_infer):
+        if not _installed("sglang"):
+            missing.append(
+                "actor_infer.strategy_args.strategy_name: sglang needs the sglang package "
+                "(pip install 'asyncrl[sglang]'), or hf_infer on this machine"
+            )
+        elif device_kind == "cpu":
+            missing.append(
+                "actor_infer.strategy_args.strategy_name: sglang needs a GPU or NPU, and this "
+                "machine has none (use hf_infer)"
+            )
+    for role in ("actor_train", "critic"):
+        worker = getattr(cfg, role, None)
+        if worker is None or worker.strategy_args.strategy_name != "megatron_train":
+            continue
+        need = ["megatron.core"] + (["torch_npu", "mindspeed"] if device_kind == "npu" else [])
+        absent = [m for m in need if not _installed(m)]
+        if absent:
+            missing.append(
+                f"{role}.strategy_args.strategy_name: megatron_train needs "
+                f"{', '.join(absent)} (pip install 'asyncrl[megatron]'"
+                f"{'; on Ascend also asyncrl[npu]' if device_kind == 'npu' else ''})"
+            )
+    return missing
+
+
+def check_machine(cfg: Any) -> None:
+    """Raise `MissingPieceError` (one line per missing piece), `RewardError` (the reward's
+    package is missing) or `DeviceError` (the configured device or weight-sync backend is
+    absent) if `cfg` cannot run on this machine."""
+    from asyncrl.device import detect_device, resolve_backend
+
+    if cfg.env is None:  # RewardError: a reward whose package is missing (math-verify)
+        from asyncrl.rewards import get_reward_fn
+
+        get_reward_fn(cfg.rollout.reward_fn)
+    device = detect_device()  # DeviceError when ASYNCRL_DEVICE names an absent device
+    missing = missing_pieces(cfg, device.kind)
+    if missing:
+        raise MissingPieceError("; ".join(missing))
+    resolve_backend(cfg.weight_sync.backend, device)  # DeviceError: nccl/hccl on the wrong device

@@ -1,0 +1,225 @@
+"""Stale-group policies, evict vs wait vs correct: throughput, learner idle and length bias.
+
+Two parts, the same three policies (`async.stale_policy`):
+
+1. A long-tailed workload on the real orchestration (the `ReplayQueue` with its admission and
+   ledger, the `Dispatcher`, the codec, ZMQ and the pump, as `bench simulate` drives them) with
+   simulated engines and learner: responses log-normal (median 512 tokens, sigma 1.0, at most
+   8k), so the slowest groups of a batch take several learner steps and come back past
+   max_staleness 1. Reported: trained tokens/s, learner idle %, trained ÷ generated mean
+   response length (1.0 = no bias), groups evicted, groups trained past the bound.
+2. The CPU default (`asyncrl run` on the embedded model) for a fixed number of steps under each
+   policy: held-out accuracy at the end, tokens/s, learner idle, the length ratio.
+
+Targets: correct keeps >= 0.95x the trained tokens/s of evict with a length ratio >= 0.95.
+
+    asyncrl bench staleness [--smoke] [--policies evict,wait,correct] [--skip-real]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from common import finish, headline, make_parser, print_table
+from simulate import Calibration, SimPool, Workload
+
+from asyncrl.data.prompts import PromptItem
+from asyncrl.orchestrator import GroupPump
+from asyncrl.replay.queue import ReplayConfig, ReplayQueue
+from asyncrl.rollout.dispatch import Dispatcher
+from asyncrl.transport.zmq import Receiver, ReceiverConfig
+
+POLICIES = ("evict", "wait", "correct")
+TARGET_THROUGHPUT, TARGET_RATIO = 0.95, 0.95
+HARD = 4  # async.max_staleness_hard of correct
+#: correct needs sequence-level (or geometric) rollout IS with a veto (`config validate`).
+CORRECT_IS = ["algorithm.rollout_is_level=geometric", f"async.max_staleness_hard={HARD}"]
+LONG_TAIL = Calibration(median_len=512, sigma=1.0, max_len=8192)
+
+
+def simulate_policy(policy: str, cal: Calibration, work: Workload, actors: int) -> dict:
+    """One policy on the simulated long-tailed cluster (real queue, dispatcher, transport)."""
+    cfg = ReplayConfig(work.max_staleness, work.batch, stale_policy=policy, max_staleness_hard=HARD)
+    replay = ReplayQueue(cfg)
+    secret = secrets.token_bytes(32)
+    receiver = Receiver(ReceiverConfig(hwm=1024, secret=secret))
+    pool = SimPool(actors, cal, work, receiver.port, 0, secret)
+    counter = itertools.count()
+    next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=[0])  # noqa: E731
+    dispatcher = Dispatcher(pool, replay, next_prompt, work.inflight)
+    pump = GroupPump(receiver, replay).__enter__()
+    dispatcher.start()
+    try:
+        steps = _learn(replay, pool, dispatcher, cal, work)
+    finally:
+        replay.close()
+        dispatcher.stop()
+        pool.close()
+        pump.__exit__()
+        receiver.close()
+    return _summary(policy, steps, replay.metrics(), work)
+
+
+def _learn(replay, pool, dispatcher, cal, work) -> list[dict[str, float]]:
+    """The simulated learner: take (timed: its idle), 'train' for tokens / its speed + the
+    sync, bump the version."""
+    steps, version, began = [], 0, time.perf_counter()
+    while len(steps) < work.steps and time.perf_counter() - began < work.max_wall_s:
+        start, groups = time.perf_counter(), None
+        while groups is None and time.perf_counter() - began < work.max_wall_s:
+            dispatcher.check()
+            groups = replay.take(work.batch, version, timeout=0.5)
+        if groups is None:
+            break
+        got = time.perf_counter()
+        tokens = sum(g.num_tokens for g in groups)
+        time.sleep((tokens / cal.learner_tokens_per_s + cal.sync_s) / work.speedup)
+        version += 1
+        pool.version = version
+        replay.set_version(version)
+        steps.append({"start": start, "got": got, "end": time.perf_counter(), "tokens": tokens})
+    return steps
+
+
+def _summary(policy: str, steps: list[dict], qm: dict, work: Workload) -> dict[str, Any]:
+    warm = max(1, min(work.warmup, len(steps) // 3))
+    window = steps[warm:]
+    if not window:
+        raise RuntimeError(f"{policy}: only {len(steps)} steps in {work.max_wall_s}s")
+    wall = window[-1]["end"] - steps[warm - 1]["end"]
+    idle = sum(s["got"] - s["start"] for s in window)
+    return {
+        "policy": policy,
+        "steps_measured": len(window),
+        "tokens_per_s_sim": sum(s["tokens"] for s in window) / wall / work.speedup,
+        "learner_idle_pct": 100 * idle / wall,
+        "length_ratio": qm.get("length_ratio", float("nan")),
+        "generated_length_mean": qm["generated_length_mean"],
+        "trained_length_mean": qm["trained_length_mean"],
+        "evicted": qm["evicted"],
+        "over_bound": qm["over_bound"],
+        "staleness_mean": qm["lag_taken_mean"],
+    }
+
+
+def real_policy(policy: str, steps: int, eval_size: int, out: Path) -> dict[str, Any]:
+    """The CPU default (embedded model) for `steps` steps under `policy`."""
+    from asyncrl.config import load_config
+    from asyncrl.run import run
+
+    extra = CORRECT_IS if policy == "correct" else []
+    cfg = load_config(None, [
+        f"output_dir={out}", f"max_steps={steps}", f"async.stale_policy={policy}",
+        f"logging.eval_interval={steps}", f"logging.eval_size={eval_size}",
+        "logging.console=false", "logging.tensorboard=false", "logging.plots=false",
+        "actor.checkpoint.save_contents=[]", *extra,
+    ])  # fmt: skip
+    summary = run(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    window = [r for r in rows if "record" not in r and r["step"] > 1]  # after the first batch
+    wall = window[-1]["time"] - rows[0]["time"] if window else float("nan")
+    waits = sum(r["learner/wait_seconds"] for r in window)
+    return {
+        "policy": policy,
+        "steps": steps,
+        "eval_accuracy": summary["eval_last"],
+        "eval_gain_points": summary["eval_gain_points"],
+        "tokens_per_s": statistics.fmean(r["throughput/tokens_per_s"] for r in window),
+        "learner_idle_pct": 100 * waits / wall,
+        "length_ratio": summary["length_ratio"],
+        "evicted": summary["groups_evicted"],
+        "over_bound": summary["groups_over_bound"],
+    }
+
+
+def _plot(sim: list[dict]):
+    def draw(fig: Any) -> None:
+        axes = fig.subplots(1, 3)
+        names = [r["policy"] for r in sim]
+        for ax, key, label in zip(
+            axes,
+            ("tokens_per_s_sim", "learner_idle_pct", "length_ratio"),
+            ("trained tokens/s (simulated)", "learner idle %", "trained ÷ generated length"),
+            strict=True,
+        ):
+            ax.bar(names, [r[key] for r in sim])
+            ax.set_title(label, fontsize=9)
+        axes[2].axhline(TARGET_RATIO, ls="--", c="k")
+
+    return draw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--actors", type=int, default=32)
+    parser.add_argument("--real-steps", type=int, default=None, help="CPU default: steps")
+    parser.add_argument("--skip-real", action="store_true", help="the simulated part only")
+    args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    smoke = args.smoke
+    work = Workload(batch=32, n=8, max_staleness=1, inflight=4, steps=30, warmup=5,
+                    speedup=100.0, max_wall_s=40.0)  # fmt: skip
+    if smoke:
+        work = replace(work, batch=8, steps=8, warmup=2, max_wall_s=8.0)
+    sim = [simulate_policy(p, LONG_TAIL, work, 8 if smoke else args.actors) for p in policies]
+    _table_sim(sim)
+    real: list[dict] = []
+    if not args.skip_real:
+        steps = args.real_steps or (2 if smoke else 20)
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in policies:
+                real.append(real_policy(p, steps, 16 if smoke else 100, Path(tmp) / p))
+        _table_real(real)
+    by = {r["policy"]: r for r in sim}
+    ratios, met = {}, {}
+    if "evict" in by and "correct" in by:
+        ratios["correct_throughput_vs_evict"] = (
+            by["correct"]["tokens_per_s_sim"] / by["evict"]["tokens_per_s_sim"]
+        )
+        met["throughput"] = ratios["correct_throughput_vs_evict"] >= TARGET_THROUGHPUT
+        met["length_ratio"] = by["correct"]["length_ratio"] >= TARGET_RATIO
+        print(
+            f"\ncorrect vs evict: {ratios['correct_throughput_vs_evict']:.3f}x tokens/s "
+            f"(target >= {TARGET_THROUGHPUT}), length ratio {by['correct']['length_ratio']:.3f} "
+            f"vs {by['evict']['length_ratio']:.3f} (target >= {TARGET_RATIO})"
+        )
+    result = {
+        "calibration": asdict(LONG_TAIL), "workload": asdict(work), "simulated": sim,
+        "real": real, "ratios": ratios, "met": met,
+        "headline": {f"{r['policy']}_length_ratio": headline(r["length_ratio"], True, "")
+                     for r in sim if r["length_ratio"] == r["length_ratio"]},
+    }  # fmt: skip
+    return finish("staleness", result, args, _plot(sim), argv)
+
+
+def _table_sim(rows: list[dict]) -> None:
+    print_table(
+        "long-tailed responses, max_staleness 1 (real queue + dispatcher + ZMQ, simulated engines)",
+        ["policy", "tok/s (sim)", "idle %", "trained/generated len", "evicted", "over bound",
+         "staleness"],
+        [[r["policy"], r["tokens_per_s_sim"], r["learner_idle_pct"], r["length_ratio"],
+          r["evicted"], r["over_bound"], r["staleness_mean"]] for r in rows],
+    )  # fmt: skip
+
+
+def _table_real(rows: list[dict]) -> None:
+    print_table(
+        "CPU default (embedded model), held-out accuracy after the fixed steps",
+        ["policy", "steps", "eval acc", "gain pts", "tok/s", "idle %", "length ratio", "evicted",
+         "over bound"],
+        [[r["policy"], r["steps"], r["eval_accuracy"], r["eval_gain_points"], r["tokens_per_s"],
+          r["learner_idle_pct"], r["length_ratio"], r["evicted"], r["over_bound"]] for r in rows],
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

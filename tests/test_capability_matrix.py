@@ -1,0 +1,219 @@
+"""The capability matrix: every enumerated config value, read from the schema, either is refused
+(by `config validate`, or at start-up when this machine lacks what it needs: one line naming
+the piece) or runs through the real loop, shrunk, with the effect it promises checked.
+
+`tests/capability.py` finds the values and packs the runnable ones into a few runs; a value
+added to the schema is covered the day it is added, or this module fails. The runs share the
+module's Ray session; each starts its own engine server (a run owns its engines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import pytest
+
+from asyncrl.config import load_config
+from tests import capability as cap
+
+STEPS = 2
+BASE = [
+    "max_steps=2",
+    "rollout_batch_size=2",
+    "num_return_sequences_in_group=3",
+    "response_length=6",
+    "rollout.num_actors=1",
+    "rollout.max_inflight_prompts=2",
+    "logging.eval_interval=0",
+    "logging.console=false",
+    "logging.tensorboard=false",
+    "logging.plots=false",
+    "rollout.reward_fn=tests.e2e_rewards:digit_fraction",
+    "actor_train.training_args.learning_rate=1e-3",
+    "actor_train.model_args.disable_gradient_checkpointing=true",
+]
+# Environments' own settings for a shrunk episode (the gym adapter needs a gymnasium id).
+ENV_CONFIGS = {
+    "gym": "{env_id: FrozenLake-v1, make_kwargs: {is_slippery: false}, "
+    "action_names: [left, down, right, up]}",
+    "guess_number": "{max_guesses: 2}",
+}
+# Never-rejecting bounds: the criterion is computed (its metric shows) without masking the batch.
+RS_BOUND = "upper: 1.0e9"
+
+
+class Models:
+    policy = "unset"
+    other = "unset"
+    full_bytes = 0  # the policy's parameters, fp32
+
+
+def to_overrides(choice: dict[str, Any], models: type[Models] = Models) -> list[str]:
+    """A planned run's choice → the config overrides that make it (on the shrunk base)."""
+    out = [*BASE, f"actor_train.model_args.model_name_or_path={models.policy}"]
+    for path, value in choice.items():
+        if path == "env":
+            if value != cap.OFF:
+                out += [
+                    f"env.name={value}",
+                    f"env.config={ENV_CONFIGS.get(value, '{}')}",
+                    "env.max_turns=2",
+                    "env.max_tokens_per_turn=4",
+                    "response_length=48",
+                ]
+        elif path in ("critic", "reference"):
+            if value == cap.ON:
+                model = models.policy if path == "critic" else models.other
+                out.append(f"{path}.model_args.model_name_or_path={model}")
+        elif path == "algorithm.rollout_rs":
+            items = ", ".join(f"{{name: {name}, {RS_BOUND}}}" for name in value)
+            out.append(f"algorithm.rollout_rs=[{items}]")
+        else:
+            out.append(f"{path}={value}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    from asyncrl.models.tiny import TinyModelSpec, build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    for seed, name in enumerate(("policy", "other")):  # two inits: the policies differ
+        spec = TinyModelSpec(
+            hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+            max_position_embeddings=2048,  # the tool environments' native prompts are long
+        )  # fmt: skip
+        path = tmp_path_factory.mktemp(f"matrix-{name}")
+        build_model(dataclasses.replace(spec, seed=seed), tok).save_pretrained(path)
+        tok.save_pretrained(path)
+        setattr(Models, name, str(path))
+        Models.full_bytes = sum(4 * t.numel() for t in build_model(spec, tok).state_dict().values())
+    dims = cap.dimensions()
+    classes = cap.classify(dims, to_overrides)
+    return dims, classes, cap.plan_runs(dims, classes, to_overrides)
+
+
+def test_every_enumerated_value_is_refused_or_runs(matrix):
+    dims, classes, runs = matrix
+    for dim in dims:
+        assert set(classes[dim.path]) == set(dim.values), dim.path
+        for verdict in classes[dim.path].values():
+            # a refusal is one line naming what is wrong, never empty
+            if verdict != "runs":
+                assert "\n" not in verdict and len(verdict.split(": ", 1)[1]) > 10, verdict
+    runnable = {(d.path, v) for d in dims for v in d.values if classes[d.path][v] == "runs"}
+    covered = {
+        (path, v)
+        for run in runs
+        for path, chosen in run.items()
+        for v in (chosen if isinstance(chosen, tuple) else (chosen,))
+    }
+    assert runnable <= covered
+    # the things this CPU box cannot run are refused before anything starts, naming the piece
+    not_here = {
+        (p, v) for p, c in classes.items() for v, verdict in c.items() if "not here" in verdict
+    }
+    assert ("actor_infer.strategy_args.strategy_name", "sglang") in not_here
+    assert ("actor_train.strategy_args.strategy_name", "megatron_train") in not_here
+    assert ("weight_sync.backend", "nccl") in not_here and (
+        "weight_sync.backend",
+        "hccl",
+    ) in not_here
+
+
+def _rows(out) -> list[dict[str, Any]]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("version") is not None]
+
+
+def _finite(rows, key) -> bool:
+    return all(key in r and r[key] is not None and math.isfinite(r[key]) for r in rows)
+
+
+def _seen(rows, key) -> list:
+    return [r.get(key) for r in rows]
+
+
+def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """What each chosen value promises, read from the run's metrics."""
+    assert len(rows) == STEPS and rows[-1]["version"] == STEPS  # the loop ran and synced
+    assert _finite(rows, "actor/pg_loss") and _finite(rows, "actor/grad_norm")
+    adv = _seen(rows, "learner/adv_max") + _seen(rows, "learner/adv_min")
+    pulled = choice.get("actor.use_kl_loss") and choice.get("reference") == cap.ON
+    if any(a != 0 for a in adv) or pulled:  # a signal to learn from: the weights moved
+        assert any(r["actor/grad_norm"] > 0 for r in rows), _seen(rows, "actor/grad_norm")
+    env = choice.get("env", cap.OFF)
+    if env == cap.OFF:  # graded reward on every single-turn run: the advantages carry signal
+        if choice.get("rollout.reward_fn") is None:
+            assert any(a != 0 for a in adv), adv
+    else:
+        assert all(r["env/episodes"] > 0 for r in rows)
+    if choice.get("critic") == cap.ON:
+        assert _finite(rows, "critic/vf_loss") and _finite(rows, "critic/vf_explained_var")
+    if choice.get("algorithm.use_kl_in_reward"):
+        assert _finite(rows, "actor/reward_kl_penalty"), _seen(rows, "actor/reward_kl_penalty")
+    if choice.get("actor.use_kl_loss"):
+        assert _finite(rows, "actor/kl_loss")
+        if choice.get("reference") == cap.ON:  # another model: the KL is not zero (k1 may be < 0)
+            assert any(r["actor/kl_loss"] != 0 for r in rows), _seen(rows, "actor/kl_loss")
+    bound = choice.get("async.max_staleness", 1)
+    if choice.get("async.stale_policy") == "correct":  # trained past the bound, up to the cap
+        bound = 4  # async.max_staleness_hard's default
+        assert _finite(rows, "replay/over_bound")
+    assert all(r["replay/staleness_max"] <= bound for r in rows), _seen(
+        rows, "replay/staleness_max"
+    )
+    for name in choice.get("algorithm.rollout_rs", ()):
+        assert _finite(rows, f"rejection/{name}_fraction")
+    if choice.get("actor_train.model_args.lora_rank"):  # adapter-only syncs move far less
+        sent = _seen(rows, "sync/bytes")
+        merged = choice.get("weight_sync.lora_sync") == "merge"
+        assert all(
+            b > 0.9 * Models.full_bytes if merged else b < 0.5 * Models.full_bytes for b in sent
+        ), sent
+    if choice.get("algorithm.correction_mode") == "bypass":
+        assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
+
+
+def test_planned_runs_train(matrix, tmp_path):
+    from asyncrl.run import run
+
+    _, _, runs = matrix
+    for i, choice in enumerate(runs):
+        out = tmp_path / f"run{i}"
+        cfg = load_config(None, [*to_overrides(choice), f"output_dir={out}"])
+        try:
+            run(cfg)
+            check_effects(choice, _rows(out))
+        except Exception as e:
+            raise AssertionError(f"run {i} {choice}: {type(e).__name__}: {e}") from e
+
+
+def _values(path: str) -> tuple[Any, ...]:
+    return next(d.values for d in cap.literal_fields() if d.path == path)
+
+
+# The full cross-product of the rollout-IS settings (the default set covers each value once).
+IS_PRODUCT = [
+    (level, mode, correction)
+    for level in _values("algorithm.rollout_is_level")
+    for mode in _values("algorithm.rollout_is_mode")
+    for correction in _values("algorithm.correction_mode")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("level", "mode", "correction"), IS_PRODUCT)
+def test_rollout_is_cross_product_trains(matrix, tmp_path, level, mode, correction):
+    from asyncrl.run import run
+
+    choice = {
+        "algorithm.rollout_is_level": level,
+        "algorithm.rollout_is_mode": mode,
+        "algorithm.correction_mode": correction,
+        "async.max_staleness": 1,
+    }
+    run(load_config(None, [*to_overrides(choice), f"output_dir={tmp_path}"]))
+    check_effects(choice, _rows(tmp_path))
