@@ -13,69 +13,41 @@ import math
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.learner_checks import (
+    check_critic,
+    check_kl_in_reward,
+    check_lora,
+    check_parallel_sizes,
+    check_reference,
+)
+from asyncrl.config.rules import (  # the name tables are re-exported: tests read them here
+    ADV_ESTIMATORS,
+    CHECKPOINT_CONTENTS,
+    EPISODE_BATCH_ESTIMATORS,
+    EPISODE_ESTIMATORS,
+    INT64,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    LOSS_MODES,
+    MAX_DEVICES,
+    MIN_TEMPERATURE,
+    REPLACED_STRATEGIES,
+    RESUME_MODES,
+    RS_CRITERIA,
+    STRATEGIES,
+    one_of,
+    port,
+    positive,
+    within,
+)
 from asyncrl.config.schema import (
     FIELD_ALIASES,
     Config,
     ConfigError,
     GeneratingArgs,
-    ModelArgs,
     TrainingArgs,
     WorkerConfig,
 )
-
-# Names accepted by the algorithm registries (asyncrl.algo); a test keeps these lists equal to
-# the registries so the config can be validated without importing torch.
-LOSS_MODES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "decoupled")
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
-ADV_ESTIMATORS = (
-    "grpo",
-    "drgrpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "gae",
-)
-RS_CRITERIA = tuple(
-    [f"token_k{k}" for k in (1, 2, 3)]
-    + [f"seq_sum_k{k}" for k in (1, 2, 3)]
-    + [f"seq_mean_k{k}" for k in (1, 2, 3)]
-    + ["seq_max_k2", "seq_max_k3"]
-)
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-# Estimators an env run computes in the rollout worker (asyncrl.algo.episode keeps them equal);
-# the batch-level ones (the learner's) work on episode returns in trajectory mode.
-EPISODE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
-EPISODE_BATCH_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
-
-PORT_MAX = 65535
-# Most devices one worker section may list, and the bound of a device id: far above any real
-# cluster, low enough that a typo like list(range(0, 10**9)) fails before it allocates.
-MAX_DEVICES = 65536
-INT64 = 2**63
-# SGLang's rule (SamplingParams: `_SAMPLING_EPS = 1e-6`): a temperature in [0, 1e-6) samples
-# greedily. A positive temperature below it is refused rather than silently made greedy: the
-# learner divides its logits by the configured value, and by 1e-40 they overflow to inf.
-MIN_TEMPERATURE = 1e-6
-RESUME_MODES = ("never", "auto")
-
-# Strategy names per role; removed backends map to the error that names their replacement.
-STRATEGIES = {
-    "actor_train": ("fsdp2_train", "megatron_train"),
-    "critic": ("fsdp2_train", "megatron_train"),
-    "actor_infer": ("sglang", "hf_infer"),
-    "reference": ("fsdp2_train", "megatron_infer", "hf_infer"),
-}
-REPLACED_STRATEGIES = {
-    "deepspeed_train": "fsdp2_train (the plain-PyTorch learner takes DeepSpeed's place)",
-    "deepspeed_infer": "fsdp2_train or megatron_infer",
-    "vllm": "sglang (or hf_infer on a CPU box)",
-}
 
 
 def validate(cfg: Config) -> None:
@@ -88,13 +60,13 @@ def validate(cfg: Config) -> None:
             _check_worker(role, worker)
     _check_algorithm(cfg)
     _check_stale_policy(cfg)
-    _check_critic(cfg)
-    _check_kl_in_reward(cfg)
+    check_critic(cfg)
+    check_kl_in_reward(cfg)
     _check_actor(cfg)
-    _check_reference(cfg)
-    _check_parallel_sizes(cfg)
+    check_reference(cfg)
+    check_parallel_sizes(cfg)
     _check_unread(cfg)
-    _check_lora(cfg)
+    check_lora(cfg)
     if cfg.env is not None:
         _check_env(cfg)
     _check_reward(cfg.rollout.reward_fn)
@@ -116,38 +88,16 @@ def _check_numbers(node: Any, path: str) -> None:
         raise ConfigError(f"{path}: {node} is out of range (a 64-bit integer)")
 
 
-def _positive(path: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{path} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
-def _within(path: str, value: float, low: float, high: float) -> None:
-    if not low <= value <= high:
-        raise ConfigError(f"{path} must be in [{low:g}, {high:g}], got {value}")
-
-
-def _port(path: str, value: int) -> None:
-    if not 0 <= value <= PORT_MAX:
-        raise ConfigError(
-            f"{path} must be a TCP port 0..{PORT_MAX} (0 picks a free one), got {value}"
-        )
-
-
-def _one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(allowed)}")
-
-
 def _check_sizes(cfg: Config) -> None:
     for key in ("rollout_batch_size", "prompt_length", "response_length"):
-        _positive(key, getattr(cfg, key))
-    _positive("num_return_sequences_in_group", cfg.num_return_sequences_in_group)
-    _positive("max_steps", cfg.max_steps, allow_zero=True)
-    _positive("async.max_staleness", cfg.async_.max_staleness, allow_zero=True)
-    _positive("async.sync_interval", cfg.async_.sync_interval)
-    _positive("rollout.num_actors", cfg.rollout.num_actors)
-    _positive("rollout.max_inflight_prompts", cfg.rollout.max_inflight_prompts)
-    _positive("weight_sync.bucket_size_mb", cfg.weight_sync.bucket_size_mb)
+        positive(key, getattr(cfg, key))
+    positive("num_return_sequences_in_group", cfg.num_return_sequences_in_group)
+    positive("max_steps", cfg.max_steps, allow_zero=True)
+    positive("async.max_staleness", cfg.async_.max_staleness, allow_zero=True)
+    positive("async.sync_interval", cfg.async_.sync_interval)
+    positive("rollout.num_actors", cfg.rollout.num_actors)
+    positive("rollout.max_inflight_prompts", cfg.rollout.max_inflight_prompts)
+    positive("weight_sync.bucket_size_mb", cfg.weight_sync.bucket_size_mb)
     max_new = cfg.actor_infer.generating_args.max_new_tokens
     if max_new is not None and max_new > cfg.response_length:
         raise ConfigError(
@@ -158,21 +108,21 @@ def _check_sizes(cfg: Config) -> None:
 
 def _check_loop(cfg: Config) -> None:
     """Seeds, ports, timeouts, intervals, output and resume: the run's plumbing."""
-    _positive("seed", cfg.seed, allow_zero=True)
+    positive("seed", cfg.seed, allow_zero=True)
     if not cfg.output_dir.strip():
         raise ConfigError("output_dir must name a directory, got an empty string")
     ro, ws = cfg.rollout, cfg.weight_sync
-    _port("rollout.transport_port", ro.transport_port)
-    _port("weight_sync.master_port", ws.master_port)
+    port("rollout.transport_port", ro.transport_port)
+    port("weight_sync.master_port", ws.master_port)
     for path, host in (("rollout.transport_host", ro.transport_host),
                        ("weight_sync.master_address", ws.master_address)):  # fmt: skip
         if not host.strip():
             raise ConfigError(f"{path} must name an address, got an empty string")
-    _positive("rollout.request_timeout_s", ro.request_timeout_s)
-    _positive("weight_sync.timeout_s", ws.timeout_s)
-    _positive("logging.eval_interval", cfg.logging.eval_interval, allow_zero=True)
-    _positive("logging.eval_size", cfg.logging.eval_size, allow_zero=True)
-    _positive("actor.checkpoint.save_interval", cfg.actor.checkpoint.save_interval, allow_zero=True)
+    positive("rollout.request_timeout_s", ro.request_timeout_s)
+    positive("weight_sync.timeout_s", ws.timeout_s)
+    positive("logging.eval_interval", cfg.logging.eval_interval, allow_zero=True)
+    positive("logging.eval_size", cfg.logging.eval_size, allow_zero=True)
+    positive("actor.checkpoint.save_interval", cfg.actor.checkpoint.save_interval, allow_zero=True)
     _check_resume(cfg.actor.checkpoint.resume)
 
 
@@ -204,15 +154,15 @@ def _check_worker(role: str, worker: WorkerConfig) -> None:
     path = f"{role}.strategy_args.strategy_name"
     if name in REPLACED_STRATEGIES:
         raise ConfigError(f"{path}: {name} is not supported; use {REPLACED_STRATEGIES[name]}")
-    _one_of(path, name, STRATEGIES[role])
+    one_of(path, name, STRATEGIES[role])
     data = worker.data_args
     if data.prompt is not None and data.messages is not None:
         raise ConfigError(
             f"{role}.data_args: set either prompt ({data.prompt!r}) or messages "
             f"({data.messages!r}), not both"
         )
-    _positive(f"{role}.infer_batch_size", worker.infer_batch_size)
-    _positive(f"{role}.num_gpus_per_worker", worker.num_gpus_per_worker)
+    positive(f"{role}.infer_batch_size", worker.infer_batch_size)
+    positive(f"{role}.num_gpus_per_worker", worker.num_gpus_per_worker)
     _check_training(f"{role}.training_args", worker.training_args)
     _check_sampling(f"{role}.generating_args", worker.generating_args)
     _check_devices(f"{role}.device_mapping", worker.device_mapping)
@@ -256,13 +206,13 @@ def _check_sections_read(role: str, worker: WorkerConfig) -> None:
 
 
 def _check_training(path: str, targs: TrainingArgs) -> None:
-    _positive(f"{path}.per_device_train_batch_size", targs.per_device_train_batch_size)
+    positive(f"{path}.per_device_train_batch_size", targs.per_device_train_batch_size)
     if targs.gradient_accumulation_steps is not None:
-        _positive(f"{path}.gradient_accumulation_steps", targs.gradient_accumulation_steps)
-    _positive(f"{path}.learning_rate", targs.learning_rate)
-    _positive(f"{path}.weight_decay", targs.weight_decay, allow_zero=True)
-    _positive(f"{path}.warmup_steps", targs.warmup_steps, allow_zero=True)
-    _positive(f"{path}.max_grad_norm", targs.max_grad_norm, allow_zero=True)
+        positive(f"{path}.gradient_accumulation_steps", targs.gradient_accumulation_steps)
+    positive(f"{path}.learning_rate", targs.learning_rate)
+    positive(f"{path}.weight_decay", targs.weight_decay, allow_zero=True)
+    positive(f"{path}.warmup_steps", targs.warmup_steps, allow_zero=True)
+    positive(f"{path}.max_grad_norm", targs.max_grad_norm, allow_zero=True)
 
 
 def _check_sampling(path: str, gen: GeneratingArgs) -> None:
@@ -277,9 +227,9 @@ def _check_sampling(path: str, gen: GeneratingArgs) -> None:
     if gen.top_k != -1 and gen.top_k < 1:
         raise ConfigError(f"{path}.top_k must be -1 (off) or >= 1, got {gen.top_k}")
     if gen.max_new_tokens is not None:
-        _positive(f"{path}.max_new_tokens", gen.max_new_tokens)
+        positive(f"{path}.max_new_tokens", gen.max_new_tokens)
     for i, token in enumerate(gen.stop_token_ids):
-        _positive(f"{path}.stop_token_ids[{i}]", token, allow_zero=True)
+        positive(f"{path}.stop_token_ids[{i}]", token, allow_zero=True)
 
 
 def _check_devices(path: str, devices: list[int]) -> None:
@@ -295,10 +245,10 @@ def _check_devices(path: str, devices: list[int]) -> None:
 
 def _check_algorithm(cfg: Config) -> None:
     alg = cfg.algorithm
-    _one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
+    one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
     upper, lower = alg.rollout_is_threshold, alg.rollout_is_threshold_lower
     if upper is not None:
-        _positive("algorithm.rollout_is_threshold", upper)
+        positive("algorithm.rollout_is_threshold", upper)
         if lower is not None and not 0 < lower < upper:
             raise ConfigError(
                 f"algorithm.rollout_is_threshold_lower ({lower}) must be in (0, "
@@ -308,13 +258,13 @@ def _check_algorithm(cfg: Config) -> None:
     if veto is not None and not 0 < veto < 1:
         raise ConfigError(f"algorithm.rollout_is_veto_threshold must be in (0, 1), got {veto}")
     for i, crit in enumerate(alg.rollout_rs):
-        _one_of(f"algorithm.rollout_rs[{i}].name", crit.name, RS_CRITERIA)
+        one_of(f"algorithm.rollout_rs[{i}].name", crit.name, RS_CRITERIA)
         if crit.lower is None and crit.upper is None:
             raise ConfigError(f"algorithm.rollout_rs[{i}] ({crit.name}) needs lower or upper")
-    _within("algorithm.gamma", alg.gamma, 0, 1)
-    _within("algorithm.lam", alg.lam, 0, 1)
-    _positive("algorithm.overlong_penalty_factor", alg.overlong_penalty_factor, allow_zero=True)
-    _positive("algorithm.overlong_buffer_len", alg.overlong_buffer_len, allow_zero=True)
+    within("algorithm.gamma", alg.gamma, 0, 1)
+    within("algorithm.lam", alg.lam, 0, 1)
+    positive("algorithm.overlong_penalty_factor", alg.overlong_penalty_factor, allow_zero=True)
+    positive("algorithm.overlong_buffer_len", alg.overlong_buffer_len, allow_zero=True)
     if alg.overlong_buffer_len >= cfg.response_length:
         raise ConfigError(
             f"algorithm.overlong_buffer_len ({alg.overlong_buffer_len}) must be below "
@@ -328,7 +278,7 @@ def _check_stale_policy(cfg: Config) -> None:
     sequence (or geometric mean), vetoing catastrophic ratios: a token-level weight leaves the
     product of a long stale response's ratios uncorrected."""
     a, alg = cfg.async_, cfg.algorithm
-    _positive("async.max_staleness_hard", a.max_staleness_hard, allow_zero=True)
+    positive("async.max_staleness_hard", a.max_staleness_hard, allow_zero=True)
     if a.stale_policy != "correct":
         return
     if a.max_staleness_hard < a.max_staleness:
@@ -354,86 +304,26 @@ def _check_stale_policy(cfg: Config) -> None:
         )
 
 
-def _check_critic(cfg: Config) -> None:
-    """The critic runs inside the fsdp2_train learner, on its one device; only gae reads its
-    values, so a critic with another estimator (verl would train it unread) is refused."""
-    critic, alg, train = cfg.critic, cfg.algorithm, cfg.actor_train
-    _positive("algorithm.cliprange_value", alg.cliprange_value)
-    _positive("algorithm.critic_warmup", alg.critic_warmup, allow_zero=True)
-    if critic is None:
-        if alg.adv_estimator == "gae" or alg.critic_warmup:
-            key = "adv_estimator: gae" if alg.adv_estimator == "gae" else "critic_warmup"
-            raise ConfigError(f"algorithm.{key} needs a critic section (the value model)")
-        return
-    if alg.adv_estimator != "gae":
-        raise ConfigError(
-            f"critic: set, but algorithm.adv_estimator {alg.adv_estimator} reads no values "
-            "(only gae does): remove the critic section or use gae"
-        )
-    for role, worker in (("critic", critic), ("actor_train", train)):
-        if worker.strategy_args.strategy_name != "fsdp2_train":
-            raise ConfigError(
-                f"{role}.strategy_args.strategy_name: a critic with megatron_train is not "
-                "available yet (the critic runs inside the fsdp2_train learner)"
-            )
-    mapping = list(critic.device_mapping)
-    if mapping and mapping != list(train.device_mapping):
-        raise ConfigError(
-            f"critic.device_mapping {mapping} differs from actor_train.device_mapping "
-            f"{list(train.device_mapping)}: the critic runs inside the learner, on its devices"
-        )
-    _one_device("critic", train)
-
-
-def _one_device(what: str, train: WorkerConfig) -> None:
-    if len(train.device_mapping) > 1:
-        raise ConfigError(
-            f"{what} with a data-parallel actor_train ({len(train.device_mapping)} devices) is "
-            "not available yet: use one device"
-        )
-
-
-def _check_kl_in_reward(cfg: Config) -> None:
-    """verl's use_kl_in_reward penalises token rewards before a learner-side estimator."""
-    alg, ctrl = cfg.algorithm, cfg.algorithm.kl_ctrl
-    _one_of("algorithm.kl_penalty", alg.kl_penalty, tuple(k for k in KL_TYPES if k != "full"))
-    _positive("algorithm.kl_ctrl.kl_coef", ctrl.kl_coef, allow_zero=True)
-    _positive("algorithm.kl_ctrl.target_kl", ctrl.target_kl)
-    _positive("algorithm.kl_ctrl.horizon", ctrl.horizon)
-    if not alg.use_kl_in_reward:
-        return
-    if alg.adv_estimator in EPISODE_ESTIMATORS:  # grpo, drgrpo, rloo: the rollout's
-        raise ConfigError(
-            f"algorithm.use_kl_in_reward: {alg.adv_estimator} is computed in the rollout workers, "
-            "before any reference logprob; use reinforce_plus_plus(_baseline) or gae"
-        )
-    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
-        raise ConfigError(
-            "algorithm.use_kl_in_reward with megatron_train is not available yet (fsdp2_train)"
-        )
-    _one_device("algorithm.use_kl_in_reward", cfg.actor_train)
-
-
 def _check_actor(cfg: Config) -> None:
     actor = cfg.actor
-    _one_of("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, LOSS_MODES)
-    _one_of("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    _one_of("actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
+    one_of("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, LOSS_MODES)
+    one_of("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    one_of("actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
     if actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c must be > 1, got {actor.clip_ratio_c}")
     for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
         value = getattr(actor, key)
         if value is not None:
-            _positive(f"actor.{key}", value)
-    _positive("actor.ppo_epochs", actor.ppo_epochs)
+            positive(f"actor.{key}", value)
+    positive("actor.ppo_epochs", actor.ppo_epochs)
     if actor.ppo_mini_batch_size is not None:
-        _positive("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
-    _positive("actor.kl_loss_coef", actor.kl_loss_coef, allow_zero=True)
+        positive("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
+    positive("actor.kl_loss_coef", actor.kl_loss_coef, allow_zero=True)
     _check_optim(cfg)
     ckpt = actor.checkpoint
     for key in ("save_contents", "load_contents"):
         for item in getattr(ckpt, key) or []:
-            _one_of(f"actor.checkpoint.{key}", item, CHECKPOINT_CONTENTS)
+            one_of(f"actor.checkpoint.{key}", item, CHECKPOINT_CONTENTS)
     if actor.policy_loss.loss_mode == "decoupled" and cfg.algorithm.correction_mode == "bypass":
         raise ConfigError(
             "actor.policy_loss.loss_mode: decoupled needs algorithm.correction_mode: decoupled "
@@ -445,8 +335,8 @@ def _check_optim(cfg: Config) -> None:
     optim = cfg.actor.optim
     if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
         raise ConfigError(f"actor.optim.betas must be two values in [0, 1), got {optim.betas}")
-    _positive("actor.optim.eps", optim.eps)
-    _within("actor.optim.min_lr_ratio", optim.min_lr_ratio, 0, 1)
+    positive("actor.optim.eps", optim.eps)
+    within("actor.optim.min_lr_ratio", optim.min_lr_ratio, 0, 1)
 
 
 def _check_env(cfg: Config) -> None:
@@ -461,85 +351,24 @@ def _check_env(cfg: Config) -> None:
             f"env.name: {env.name!r} is not one of {', '.join(sorted(BUILTIN_ENVS))} "
             "nor a 'package.module:Class' path"
         )
-    _positive("env.max_turns", env.max_turns)
-    _positive("env.step_timeout_s", env.step_timeout_s)
-    _positive("env.num_seeds", env.num_seeds)
-    _positive("env.seed_offset", env.seed_offset, allow_zero=True)
+    positive("env.max_turns", env.max_turns)
+    positive("env.step_timeout_s", env.step_timeout_s)
+    positive("env.num_seeds", env.num_seeds)
+    positive("env.seed_offset", env.seed_offset, allow_zero=True)
     if env.max_tokens_per_turn is not None:
-        _positive("env.max_tokens_per_turn", env.max_tokens_per_turn)
+        positive("env.max_tokens_per_turn", env.max_tokens_per_turn)
     if not 0 <= env.gamma <= 1:
         raise ConfigError(f"env.gamma must be in [0, 1], got {env.gamma}")
     allowed = EPISODE_ESTIMATORS
     if env.advantage_mode == "trajectory":
         allowed += EPISODE_BATCH_ESTIMATORS
-    _one_of(
+    one_of(
         f"algorithm.adv_estimator (with env, {env.advantage_mode})",
         cfg.algorithm.adv_estimator,
         allowed,
     )
     if cfg.algorithm.overlong_buffer_len:
         raise ConfigError("algorithm.overlong_buffer_len is not supported with env (set it to 0)")
-
-
-def _check_reference(cfg: Config) -> None:
-    """What the learners also refuse (asyncrl/learner/reference.py), said by `config validate`;
-    vocabulary and architecture need the model files and are checked when the learner is built."""
-    ref = cfg.reference
-    if ref is None:
-        return
-    if not (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
-        raise ConfigError(
-            "reference: set, but actor.use_kl_loss is false and so is "
-            "algorithm.use_kl_in_reward (only they read the reference policy)"
-        )
-    mapping, train = list(ref.device_mapping), list(cfg.actor_train.device_mapping)
-    if mapping and mapping != train:
-        raise ConfigError(
-            f"reference.device_mapping {mapping} differs from actor_train.device_mapping "
-            f"{train}: the reference runs inside the learner, on actor_train's devices"
-        )
-    if cfg.actor_train.strategy_args.strategy_name == "megatron_train":
-        dtype = cfg.actor_train.model_args.dtype or "bf16"
-        if ref.model_args.dtype not in (None, dtype):
-            raise ConfigError(
-                f"reference.model_args.dtype {ref.model_args.dtype} with megatron_train: the "
-                f"reference is built in actor_train's dtype ({dtype}); leave it null or set {dtype}"
-            )
-
-
-MEGATRON_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "virtual_pipeline_model_parallel_size", "context_parallel_size")  # fmt: skip
-
-
-def _check_parallel_sizes(cfg: Config) -> None:
-    """Megatron's model-parallel sizes (TP, PP, VPP, CP) a run can honour. The learner checks
-    the rest of strategy_config, and what needs the model's config.json (layers per virtual
-    stage), when it is built (`asyncrl.learner.megatron.args`)."""
-    train = cfg.actor_train
-    sc, name = train.strategy_args.strategy_config, train.strategy_args.strategy_name
-    where = "actor_train.strategy_args.strategy_config"
-    sizes = {}
-    for key in MEGATRON_SIZES:
-        value = sc.get(key)
-        value = 1 if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{where}.{key} must be a positive int, got {value!r}")
-        if value > 1 and name != "megatron_train":
-            raise ConfigError(f"{where}.{key}: {value} is a Megatron parallel size; {name} has "
-                              "no such parallelism (use megatron_train)")  # fmt: skip
-        sizes[key] = value
-    tp, pp, vpp, cp = (sizes[k] for k in MEGATRON_SIZES)
-    if vpp > 1 and pp < 2:
-        raise ConfigError(
-            f"{where}.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size "
-            ">= 2 (virtual stages interleave pipeline ranks)"
-        )
-    world = max(1, len(train.device_mapping))
-    if world % (tp * pp * cp):
-        raise ConfigError(
-            f"actor_train.device_mapping has {world} device(s), not a multiple of tensor x "
-            f"pipeline x context parallel sizes ({tp} x {pp} x {cp})"
-        )
 
 
 def _check_unread(cfg: Config) -> None:
@@ -562,52 +391,3 @@ def _check_unread(cfg: Config) -> None:
                 f"{role}.model_args.attn_implementation: not read for {role} (the hf engine uses "
                 "its own batched attention; SGLang takes attention_backend in strategy_config)"
             )
-
-
-LORA_FIELDS = (
-    "lora_rank",
-    "lora_alpha",
-    "lora_dropout",
-    "target_modules",
-    "lora_target_exclude",
-    "use_rslora",
-)
-
-
-def _check_lora(cfg: Config) -> None:
-    """LoRA is the fsdp2_train actor's (peft); the engines get the adapter by weight sync."""
-    defaults = ModelArgs()
-    for role in ("actor_infer", "reference", "critic"):
-        worker = getattr(cfg, role)
-        for name in LORA_FIELDS if worker is not None else ():
-            if getattr(worker.model_args, name) != getattr(defaults, name):
-                raise ConfigError(
-                    f"{role}.model_args.{name}: LoRA is set on actor_train only (the engines "
-                    "receive the adapter by weight sync; the critic and reference train none)"
-                )
-    args, path = cfg.actor_train.model_args, "actor_train.model_args"
-    if args.lora_rank < 0:
-        raise ConfigError(f"{path}.lora_rank: {args.lora_rank} is negative (0 turns LoRA off)")
-    if args.lora_rank == 0:
-        return
-    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
-        raise ConfigError(
-            f"{path}.lora_rank: LoRA needs the fsdp2_train learner, not "
-            f"{cfg.actor_train.strategy_args.strategy_name}"
-        )
-    _positive(f"{path}.lora_alpha", args.lora_alpha)
-    if not 0.0 <= args.lora_dropout < 1.0:
-        raise ConfigError(f"{path}.lora_dropout: {args.lora_dropout} is not in [0, 1)")
-    targets = args.target_modules
-    if isinstance(targets, str) and targets != "all-linear":
-        raise ConfigError(
-            f"{path}.target_modules: {targets!r} is neither all-linear nor a list of module names"
-        )
-    if isinstance(targets, list) and not (targets and all(targets)):
-        raise ConfigError(f"{path}.target_modules: the list must name at least one module")
-    infer = cfg.actor_infer.strategy_args.strategy_name
-    if cfg.weight_sync.lora_sync == "adapter" and infer != "hf_infer":
-        raise ConfigError(
-            f"weight_sync.lora_sync: adapter needs hf_infer engines; with {infer} use merge "
-            "(or auto), which syncs full weights with the adapter merged in"
-        )

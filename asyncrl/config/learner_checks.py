@@ -1,0 +1,177 @@
+"""Checks of the learner-side workers: the critic, the reference, KL in the reward, Megatron's
+parallel sizes, LoRA. Each failure is one ConfigError line naming the key."""
+
+from __future__ import annotations
+
+from asyncrl.config.rules import EPISODE_ESTIMATORS, KL_TYPES, one_of, positive
+from asyncrl.config.schema import Config, ConfigError, ModelArgs, WorkerConfig
+
+
+def check_critic(cfg: Config) -> None:
+    """The critic runs inside the fsdp2_train learner, on its one device; only gae reads its
+    values, so a critic with another estimator (verl would train it unread) is refused."""
+    critic, alg, train = cfg.critic, cfg.algorithm, cfg.actor_train
+    positive("algorithm.cliprange_value", alg.cliprange_value)
+    positive("algorithm.critic_warmup", alg.critic_warmup, allow_zero=True)
+    if critic is None:
+        if alg.adv_estimator == "gae" or alg.critic_warmup:
+            key = "adv_estimator: gae" if alg.adv_estimator == "gae" else "critic_warmup"
+            raise ConfigError(f"algorithm.{key} needs a critic section (the value model)")
+        return
+    if alg.adv_estimator != "gae":
+        raise ConfigError(
+            f"critic: set, but algorithm.adv_estimator {alg.adv_estimator} reads no values "
+            "(only gae does): remove the critic section or use gae"
+        )
+    for role, worker in (("critic", critic), ("actor_train", train)):
+        if worker.strategy_args.strategy_name != "fsdp2_train":
+            raise ConfigError(
+                f"{role}.strategy_args.strategy_name: a critic with megatron_train is not "
+                "available yet (the critic runs inside the fsdp2_train learner)"
+            )
+    mapping = list(critic.device_mapping)
+    if mapping and mapping != list(train.device_mapping):
+        raise ConfigError(
+            f"critic.device_mapping {mapping} differs from actor_train.device_mapping "
+            f"{list(train.device_mapping)}: the critic runs inside the learner, on its devices"
+        )
+    _one_device("critic", train)
+
+
+def _one_device(what: str, train: WorkerConfig) -> None:
+    if len(train.device_mapping) > 1:
+        raise ConfigError(
+            f"{what} with a data-parallel actor_train ({len(train.device_mapping)} devices) is "
+            "not available yet: use one device"
+        )
+
+
+def check_kl_in_reward(cfg: Config) -> None:
+    """verl's use_kl_in_reward penalises token rewards before a learner-side estimator."""
+    alg, ctrl = cfg.algorithm, cfg.algorithm.kl_ctrl
+    one_of("algorithm.kl_penalty", alg.kl_penalty, tuple(k for k in KL_TYPES if k != "full"))
+    positive("algorithm.kl_ctrl.kl_coef", ctrl.kl_coef, allow_zero=True)
+    positive("algorithm.kl_ctrl.target_kl", ctrl.target_kl)
+    positive("algorithm.kl_ctrl.horizon", ctrl.horizon)
+    if not alg.use_kl_in_reward:
+        return
+    if alg.adv_estimator in EPISODE_ESTIMATORS:  # grpo, drgrpo, rloo: the rollout's
+        raise ConfigError(
+            f"algorithm.use_kl_in_reward: {alg.adv_estimator} is computed in the rollout workers, "
+            "before any reference logprob; use reinforce_plus_plus(_baseline) or gae"
+        )
+    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
+        raise ConfigError(
+            "algorithm.use_kl_in_reward with megatron_train is not available yet (fsdp2_train)"
+        )
+    _one_device("algorithm.use_kl_in_reward", cfg.actor_train)
+
+
+def check_reference(cfg: Config) -> None:
+    """What the learners also refuse (asyncrl/learner/reference.py), said by `config validate`;
+    vocabulary and architecture need the model files and are checked when the learner is built."""
+    ref = cfg.reference
+    if ref is None:
+        return
+    if not (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        raise ConfigError(
+            "reference: set, but actor.use_kl_loss is false and so is "
+            "algorithm.use_kl_in_reward (only they read the reference policy)"
+        )
+    mapping, train = list(ref.device_mapping), list(cfg.actor_train.device_mapping)
+    if mapping and mapping != train:
+        raise ConfigError(
+            f"reference.device_mapping {mapping} differs from actor_train.device_mapping "
+            f"{train}: the reference runs inside the learner, on actor_train's devices"
+        )
+    if cfg.actor_train.strategy_args.strategy_name == "megatron_train":
+        dtype = cfg.actor_train.model_args.dtype or "bf16"
+        if ref.model_args.dtype not in (None, dtype):
+            raise ConfigError(
+                f"reference.model_args.dtype {ref.model_args.dtype} with megatron_train: the "
+                f"reference is built in actor_train's dtype ({dtype}); leave it null or set {dtype}"
+            )
+
+
+MEGATRON_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "context_parallel_size")  # fmt: skip
+
+
+def check_parallel_sizes(cfg: Config) -> None:
+    """Megatron's model-parallel sizes (TP, PP, VPP, CP) a run can honour. The learner checks
+    the rest of strategy_config, and what needs the model's config.json (layers per virtual
+    stage), when it is built (`asyncrl.learner.megatron.args`)."""
+    train = cfg.actor_train
+    sc, name = train.strategy_args.strategy_config, train.strategy_args.strategy_name
+    where = "actor_train.strategy_args.strategy_config"
+    sizes = {}
+    for key in MEGATRON_SIZES:
+        value = sc.get(key)
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}.{key} must be a positive int, got {value!r}")
+        if value > 1 and name != "megatron_train":
+            raise ConfigError(f"{where}.{key}: {value} is a Megatron parallel size; {name} has "
+                              "no such parallelism (use megatron_train)")  # fmt: skip
+        sizes[key] = value
+    tp, pp, vpp, cp = (sizes[k] for k in MEGATRON_SIZES)
+    if vpp > 1 and pp < 2:
+        raise ConfigError(
+            f"{where}.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size "
+            ">= 2 (virtual stages interleave pipeline ranks)"
+        )
+    world = max(1, len(train.device_mapping))
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"actor_train.device_mapping has {world} device(s), not a multiple of tensor x "
+            f"pipeline x context parallel sizes ({tp} x {pp} x {cp})"
+        )
+
+
+LORA_FIELDS = (
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "lora_target_exclude",
+    "use_rslora",
+)
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA is the fsdp2_train actor's (peft); the engines get the adapter by weight sync."""
+    defaults = ModelArgs()
+    for role in ("actor_infer", "reference", "critic"):
+        worker = getattr(cfg, role)
+        for name in LORA_FIELDS if worker is not None else ():
+            if getattr(worker.model_args, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"{role}.model_args.{name}: LoRA is set on actor_train only (the engines "
+                    "receive the adapter by weight sync; the critic and reference train none)"
+                )
+    args, path = cfg.actor_train.model_args, "actor_train.model_args"
+    if args.lora_rank < 0:
+        raise ConfigError(f"{path}.lora_rank: {args.lora_rank} is negative (0 turns LoRA off)")
+    if args.lora_rank == 0:
+        return
+    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
+        raise ConfigError(
+            f"{path}.lora_rank: LoRA needs the fsdp2_train learner, not "
+            f"{cfg.actor_train.strategy_args.strategy_name}"
+        )
+    positive(f"{path}.lora_alpha", args.lora_alpha)
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ConfigError(f"{path}.lora_dropout: {args.lora_dropout} is not in [0, 1)")
+    targets = args.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(
+            f"{path}.target_modules: {targets!r} is neither all-linear nor a list of module names"
+        )
+    if isinstance(targets, list) and not (targets and all(targets)):
+        raise ConfigError(f"{path}.target_modules: the list must name at least one module")
+    infer = cfg.actor_infer.strategy_args.strategy_name
+    if cfg.weight_sync.lora_sync == "adapter" and infer != "hf_infer":
+        raise ConfigError(
+            f"weight_sync.lora_sync: adapter needs hf_infer engines; with {infer} use merge "
+            "(or auto), which syncs full weights with the adapter merged in"
+        )
