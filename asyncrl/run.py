@@ -155,6 +155,7 @@ def start_rollout(
         cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, model_dir, Path(cfg.output_dir),
         seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
         api_key=engine_api_key,
+        eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,
     )  # fmt: skip
     _stop_later(stack, fleet.stop)
     fleet.start(learner)  # processes: engine servers (+ router); weights of the learner's version

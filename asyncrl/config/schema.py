@@ -126,7 +126,8 @@ class WorkerConfig:
     """Device ids of this worker; `list(range(0,8))` is parsed, never evaluated (at most 65536
     ids, each in 0..65535). Empty: CPU."""
     infer_batch_size: int = 4
-    """Batch size for inference and logprob computation."""
+    """Rows per logprob/inference pass; the actor's proximal recompute packs rows into forwards
+    of at most infer_batch_size × the batch's padded width tokens (short rows share a forward)."""
     num_gpus_per_worker: int = 1
     """Devices per engine (actor_infer): the engine's tensor-parallel size."""
 
@@ -396,6 +397,12 @@ class LoggingConfig:
     """Held-out evaluation every N steps (and at start and end); 0 disables it."""
     eval_size: int = 500
     """Held-out prompts per evaluation (500: a 2-point standard error around 50 %)."""
+    eval_priority: int = -1
+    """SGLang `priority` of the evaluation's /generate requests (a signed 64-bit int; rollout
+    requests run at 0; a larger value is admitted first). -1: evaluation yields to rollout, so
+    it fills the engines' idle slots instead of delaying training batches. With sglang, a value
+    other than 0 adds `--enable-priority-scheduling --default-priority-value 0` to the server
+    command (`engine/sglang.py`); 0 sends no priority at all."""
     plots: bool = True
     """Write PNG plots and a summary at the end."""
 

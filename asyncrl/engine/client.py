@@ -127,8 +127,12 @@ class EngineClient:
         return str(data.get("message", ""))
 
     # ---- generation ------------------------------------------------------------------------
-    async def generate_one(self, req: GenerateRequest | dict) -> Completion:
-        """One request: a GenerateRequest or a dict with the same keys."""
+    async def generate_one(
+        self, req: GenerateRequest | dict, *, priority: int | None = None
+    ) -> Completion:
+        """One request: a GenerateRequest or a dict with the same keys. `priority`: SGLang's
+        scheduling priority (larger first; honoured by SGLang only with
+        `--enable-priority-scheduling`, always by the hf server); None sends none."""
         if isinstance(req, dict):
             req = _request_from_dict(self.url, req)
         body = {
@@ -140,6 +144,8 @@ class EngineClient:
         if req.rid is not None:
             body["rid"] = req.rid
         body["extra_key"] = req.extra_key or cache_namespace(self.seen_version)
+        if priority is not None:
+            body["priority"] = priority
         data = await self._call_ok("POST", "/generate", body, self.timeout)
         completion = parse_completion(self.url, data, req.return_logprob)
         if completion.version is not None:

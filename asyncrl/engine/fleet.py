@@ -51,9 +51,16 @@ class EngineLauncher(Protocol):
 
 
 def make_launcher(
-    infer: WorkerConfig, model_dir: Path, log_dir: Path, seed: int, api_key: str | None = None
+    infer: WorkerConfig,
+    model_dir: Path,
+    log_dir: Path,
+    seed: int,
+    api_key: str | None = None,
+    eval_priority: int | None = None,
 ) -> EngineLauncher:
-    """The launcher for `infer.strategy_args.strategy_name` (hf_infer | sglang)."""
+    """The launcher for `infer.strategy_args.strategy_name` (hf_infer | sglang).
+    `eval_priority`: the evaluation requests' priority (None: no evaluation); SGLang needs its
+    priority scheduler switched on at launch when it differs from rollout's 0, ours does not."""
     name = infer.strategy_args.strategy_name
     if name == "hf_infer":
         from asyncrl.engine.hf.launch import HFLauncher
@@ -63,7 +70,9 @@ def make_launcher(
         from asyncrl.device import detect_device
         from asyncrl.engine.sglang import SGLangLauncher
 
-        return SGLangLauncher(infer, model_dir, log_dir, seed, detect_device(), api_key)
+        return SGLangLauncher(
+            infer, model_dir, log_dir, seed, detect_device(), api_key, eval_priority=eval_priority
+        )
     raise ValueError(f"actor_infer.strategy_args.strategy_name {name!r}: expected hf_infer|sglang")
 
 
@@ -130,6 +139,7 @@ class EngineFleet:
         request_timeout_s: float,
         runner: AsyncRunner,
         api_key: str | None = None,
+        eval_priority: int | None = None,
         health_interval_s: float = 10.0,
         health_timeout_s: float = 30.0,
         health_failures: int = 2,
@@ -142,7 +152,9 @@ class EngineFleet:
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
         self.backend = "gloo"  # of the weight-update group; resolved by `_init_group`
-        self.launcher = make_launcher(infer, model_dir, output_dir / "engine_logs", seed, api_key)
+        self.launcher = make_launcher(
+            infer, model_dir, output_dir / "engine_logs", seed, api_key, eval_priority
+        )
         self.api_key = self.launcher.api_key  # what rollout workers' clients must send
         self.num_engines = self.launcher.num_engines
         self.sender = WeightSender(timeout_s=weight_sync.timeout_s)

@@ -30,11 +30,20 @@ Authentication: with an API key, every server gets `--api-key KEY` (SGLang then 
 `host`, loopback by default). SGLang reads the key only from its command line, so it is visible
 in `ps` to users of the same machine (asyncrl's own hf server takes it from the environment).
 
+Priority: evaluation requests carry SGLang's `priority` (`logging.eval_priority`), rollout
+requests none. SGLang ignores `priority` unless started with `--enable-priority-scheduling`
+(then a larger value goes first), and a request without one gets the lowest priority there
+unless `--default-priority-value` says otherwise; so when the evaluation priority differs from
+rollout's (0), launched servers get `--enable-priority-scheduling --default-priority-value 0`
+(`with_priority`). That needs `schedule_policy` fcfs or lof (SGLang asserts it) and a release
+with `--default-priority-value` (read in 0.5.23; 0.5.6 lacks it): otherwise one line refuses it.
+
 Launched processes die with the driver, SIGKILL included (`engine/process.py`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -43,13 +52,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import DeviceSpec
 from asyncrl.engine.process import EngineLaunchError, ServerHandle, popen
+from asyncrl.engine.versions import parse_version
 from asyncrl.net import free_port
 
 OWN_KEYS = ("server_urls", "router", "router_policy", "router_args", "launch_timeout_s", "host")
@@ -63,6 +73,10 @@ SINGLE_ONLY = {
     "pp_size": "pp_size", "pp": "pp_size", "pipeline_parallel_size": "pp_size",
 }  # fmt: skip
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: Rollout requests carry no priority; the servers' default for them when priority is on.
+ROLLOUT_PRIORITY = 0
+#: The lowest release read that has `--default-priority-value` (0.5.6 does not).
+PRIORITY_DEFAULT_VERSION = (0, 5, 23)
 
 
 class SGLangConfigError(ValueError):
@@ -154,6 +168,39 @@ def server_command(
     if seed is not None and "random_seed" not in flags:
         flags["random_seed"] = seed
     return cmd + to_flags(flags) + (["--api-key", api_key] if api_key else [])
+
+
+def with_priority(
+    settings: SGLangSettings, eval_priority: int | None, installed: str | None
+) -> SGLangSettings:
+    """`settings` with SGLang's priority scheduling on when evaluation runs at another priority
+    than rollout (`installed`: the local sglang version, None when unknown)."""
+    if eval_priority in (None, ROLLOUT_PRIORITY) or settings.server_urls:
+        return settings  # attached servers keep the flags they were started with
+    what = f"logging.eval_priority={eval_priority} needs SGLang's priority scheduling, but"
+    policy = settings.server_flags.get("schedule_policy", "fcfs")
+    if policy not in ("fcfs", "lof"):
+        raise SGLangConfigError(
+            f"{what} schedule_policy {policy!r} refuses it (fcfs or lof; or eval_priority=0)"
+        )
+    if installed is not None and parse_version(installed) < PRIORITY_DEFAULT_VERSION:
+        raise SGLangConfigError(
+            f"{what} SGLang {installed} has no --default-priority-value (rollout requests would "
+            "rank last): set logging.eval_priority=0 or use SGLang >= "
+            + ".".join(map(str, PRIORITY_DEFAULT_VERSION))
+        )
+    flags = dict(settings.server_flags)
+    flags.setdefault("enable_priority_scheduling", True)
+    flags.setdefault("default_priority_value", ROLLOUT_PRIORITY)
+    return replace(settings, server_flags=flags)
+
+
+def installed_sglang() -> str | None:
+    """The version of the sglang package the servers are launched from, None if absent."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def router_command(
@@ -265,10 +312,10 @@ class SGLangLauncher:
         seed: int,
         device: DeviceSpec,
         api_key: str | None = None,
+        eval_priority: int | None = None,
     ) -> None:
-        self.settings = SGLangSettings.parse(
-            infer.strategy_args.strategy_config, infer.model_args.dtype
-        )
+        settings = SGLangSettings.parse(infer.strategy_args.strategy_config, infer.model_args.dtype)
+        self.settings = with_priority(settings, eval_priority, installed_sglang())
         # Attached servers keep the key they were started with; launched ones get the run's.
         self.api_key = self.settings.api_key or api_key
         self.model_dir, self.log_dir, self.seed, self.device = model_dir, log_dir, seed, device

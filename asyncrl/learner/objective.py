@@ -68,6 +68,21 @@ def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Call
     return factor
 
 
+def make_optimizer(
+    params: list[torch.nn.Parameter], targs: TrainingArgs, optim: OptimConfig
+) -> torch.optim.Optimizer:
+    """The torch optimizer `actor.optim` names over `params` (the trainable ones)."""
+    if optim.name == "sgd":
+        return torch.optim.SGD(params, lr=targs.learning_rate, weight_decay=targs.weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=targs.learning_rate,
+        weight_decay=targs.weight_decay,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+    )
+
+
 def check_estimator(alg: AlgorithmConfig, has_critic: bool = False) -> None:
     """Refuse, when the learner is built, an estimator the loop cannot compute (gae without a
     critic), rather than train on the zero advantages that collation fills in."""
@@ -190,6 +205,28 @@ def rollout_is_settings(alg: AlgorithmConfig) -> RolloutIS:
         threshold=alg.rollout_is_threshold,
         threshold_lower=alg.rollout_is_threshold_lower,
         veto_threshold=alg.rollout_is_veto_threshold,
+    )
+
+
+def prox_from_training_forward(
+    alg: AlgorithmConfig, actor: ActorConfig, rows: int, stochastic_forward: bool
+) -> bool:
+    """Whether a step of `rows` rows may take its proximal logprobs from the training forward
+    (detached) instead of a separate no-grad pass (AReaL's `prox_logp_method`): decoupled
+    correction; one optimizer step over the batch (ppo_epochs 1, one mini-batch), so every
+    micro-batch's forward runs the weights that are the proximal policy; a deterministic
+    forward (no dropout); and nothing that reads the whole batch's proximal logprobs before the
+    first micro-batch's loss: KL-in-reward (the advantages), rejection sampling and batch
+    normalisation of the IS weights (the mask and weights of every row). Rollout IS weights are
+    per row, so each micro-batch computes its own; the metrics come from the whole batch."""
+    return (
+        alg.correction_mode == "decoupled"
+        and actor.ppo_epochs == 1
+        and (actor.ppo_mini_batch_size or rows) >= rows
+        and not stochastic_forward
+        and not alg.use_kl_in_reward
+        and not alg.rollout_rs
+        and not alg.rollout_is_batch_normalize
     )
 
 

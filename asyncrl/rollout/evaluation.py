@@ -2,8 +2,9 @@
 weight version a step produced, while the learner goes on training.
 
 `submit(step, version)` sends the held-out prompts to the engines as ordinary requests (the
-same SGLang-protocol client, the same reward function, greedy `sampling_params`) and returns at
-once; `results()` hands back, keyed by step, every evaluation that has completed; the loop
+same SGLang-protocol client, the same reward function, greedy `sampling_params`) at SGLang
+priority `logging.eval_priority` (default -1, below rollout's 0: on a shared engine evaluation
+takes the slots rollout leaves free) and returns at once; `results()` hands back, keyed by step, every evaluation that has completed; the loop
 merges each into the row of its step (`metrics/deferred.py`), written once it lands.
 
 Pinning: the engines hold one version at a time, so an evaluation of version v must run before
@@ -61,6 +62,8 @@ class Evaluator:
         from asyncrl.rewards import get_reward_fn
 
         self.interval, self.max_steps, self.items = logging.eval_interval, max_steps, items
+        # Rollout requests carry no priority (the engines' default, 0): 0 here sends none.
+        self.priority = logging.eval_priority or None
         self.s, self.fleet = settings, fleet
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.reward = get_reward_fn(settings.rollout.reward_fn)
@@ -133,7 +136,8 @@ class Evaluator:
         outs = await asyncio.gather(
             *(
                 clients[i % len(clients)].generate_one(
-                    {"input_ids": it.prompt_ids, "sampling_params": params}
+                    {"input_ids": it.prompt_ids, "sampling_params": params},
+                    priority=self.priority,
                 )
                 for i, it in enumerate(self.items)
             )

@@ -39,6 +39,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "input_ids": ((list,), True), "sampling_params": ((dict,), False),
         "return_logprob": ((bool,), False), "logprob_start_len": ((int,), False),
         "rid": ((str,), False), "stream": ((bool,), False), "extra_key": ((str, NONE), False),
+        "priority": ((int, NONE), False),
     },
     "/begin_weight_update": {"selector": ((str,), False)},
     "/end_weight_update": {},

@@ -7,6 +7,12 @@ One scheduler thread owns the model. Each iteration, under `step_lock`:
   2. decode: one token for every running row;
   3. finished rows (stop token, max_new_tokens, context limit) leave the batch and are
      answered.
+Admission is by priority, SGLang's convention (`priority` on /generate, a larger value first,
+as `--enable-priority-scheduling` without `--schedule-low-priority-values-first`; null = 0):
+FIFO within a priority, and a free slot always goes to a waiting request, so a low-priority
+request runs whenever no higher one waits. Running requests are never preempted for priority
+(SGLang preempts when the gap reaches `--priority-scheduling-preemption-threshold`, 10): an
+evaluation request at -1 below rollout at 0 only waits for its turn.
 Control calls (pause/continue/abort/flush/weight load) take `step_lock`, so they act between
 steps and never see a half-done step; `step_lock` is fair to them (a waiting control call goes
 before the next step), so one acts within the step in progress. Lock order is always
@@ -228,7 +234,7 @@ class HFEngine:
             if self._paused:
                 return
             free = self.max_batch_size - (len(self._batch.seqs) if self._batch else 0)
-            admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            admit = self._take_waiting(free)
         ok = True
         with torch.inference_mode():
             if admit:
@@ -243,6 +249,20 @@ class HFEngine:
                     batch, self._batch = self._batch, None
                     ok = self._fail_step(batch.seqs, "decode", e)
         self.last_step_ok = ok
+
+    def _take_waiting(self, n: int) -> list[Seq]:
+        """Up to `n` waiting requests, removed from the queue: the highest `priority` first,
+        queue order within one priority (FIFO, retracted requests at the head). A request waits
+        only while a higher-priority one holds the slot it would take, so it runs as soon as
+        none waits (no aging: a steady stream of higher-priority work can hold it, as in
+        SGLang). Caller holds `_cond`."""
+        if n <= 0 or not self._waiting:
+            return []
+        queue = list(self._waiting)
+        admit = sorted(queue, key=lambda s: -s.priority)[:n]  # stable: FIFO within a priority
+        taken = {id(s) for s in admit}
+        self._waiting = deque(s for s in queue if id(s) not in taken)
+        return admit
 
     def _fail_step(self, seqs: list[Seq], what: str, e: Exception) -> bool:
         log.exception("hf engine: %s step failed; failing its %d request(s)", what, len(seqs))

@@ -35,12 +35,17 @@ _GENERATE_NEUTRAL = {
     "return_entropy": (None, False),
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "rid", "return_logprob"}
-_GENERATE_KEYS |= {"logprob_start_len", "stream", "extra_key"}
+_GENERATE_KEYS |= {"logprob_start_len", "stream", "extra_key", "priority"}
 #: `extra_key` is SGLang's prefix-cache namespace. This server keeps no prefix cache (every
 #: request prefills its own KV, dropped when it finishes), so no KV is ever shared across
 #: requests, let alone across weight versions: the field is checked (a string, or a list of
 #: them for a batch) and has nothing else to do.
 MAX_EXTRA_KEY_CHARS = 256
+#: `priority` as SGLang takes it (`GenerateReqInput.priority`): a signed 64-bit int, null = the
+#: default (0 here, as `--default-priority-value 0`). A larger value is admitted first, as
+#: SGLang's `--enable-priority-scheduling` without `--schedule-low-priority-values-first`; this
+#: server always schedules by it (all requests at 0: plain FIFO). See `engine.py` for the rule.
+PRIORITY_RANGE = (-(1 << 63), (1 << 63) - 1)
 MAX_VERSION_CHARS = 64
 MAX_GROUP_TIMEOUT_S = 86400.0
 
@@ -150,10 +155,29 @@ def parse_generate(body: dict, on_done) -> tuple[list[Seq], bool]:
         if key is not None and len(key) > MAX_EXTRA_KEY_CHARS:
             raise RequestError(f"extra_key is longer than {MAX_EXTRA_KEY_CHARS} characters")
     logprob = _per_item(body, "return_logprob", n, batched, _typed("return_logprob", (bool,)))
+    priority = _per_item(body, "priority", n, batched, _priority)
     return [
-        Seq(rids[i] or uuid.uuid4().hex, list(prompts[i]), params[i], on_done, bool(logprob[i]))
+        Seq(
+            rids[i] or uuid.uuid4().hex,
+            list(prompts[i]),
+            params[i],
+            on_done,
+            bool(logprob[i]),
+            priority=priority[i],
+        )
         for i in range(n)
     ], batched
+
+
+def _priority(value: object) -> int:
+    """A request's priority: an int in SGLang's signed 64-bit range; null is 0."""
+    value = _typed("priority", (int,))(value)
+    if value is None:
+        return 0
+    lo, hi = PRIORITY_RANGE
+    if not lo <= value <= hi:
+        raise RequestError(f"priority must be a signed 64-bit integer, got {show(value)}")
+    return value
 
 
 def group_init(body: dict, default_timeout_s: float) -> tuple:

@@ -1,7 +1,8 @@
 """The plain-PyTorch learner (`fsdp2_train`): the CPU default, also runs on one CUDA device.
 
-One `step` = one rollout batch: recompute the proximal logprobs (decoupled) or take the
-rollout ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → the
+One `step` = one rollout batch: recompute the proximal logprobs (decoupled; from the training
+forward itself when that is provably the proximal policy, `prox_from_training_forward`) or take
+the rollout ones (bypass) → rollout IS weights, rejection mask and mismatch metrics → the
 batch-level advantages on the whole batch before any row is sharded (REINFORCE++; gae with the
 critic's fresh values, `asyncrl.learner.critic`; token rewards minus beta · KL with
 use_kl_in_reward) → the critic's update → `ppo_epochs` passes of mini-batches, each one
@@ -24,23 +25,10 @@ from asyncrl.algo.advantages import outcome_token_rewards
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner import logprobs as lp
 from asyncrl.learner import lora
+from asyncrl.learner import objective as obj
 from asyncrl.learner.critic import Critic, value_metrics
-from asyncrl.learner.logprobs import batched_logprobs, select_rows, token_logprobs
-from asyncrl.learner.objective import (
-    advantage_metrics,
-    advantages_and_returns,
-    batch_advantages,
-    check_learner_side,
-    correct,
-    kl_controller,
-    kl_reward,
-    loss_params,
-    lr_factor,
-    micro_share,
-    objective,
-    rollout_is_settings,
-)
 from asyncrl.learner.reference import ReferenceSpec, reference_spec
 from asyncrl.learner.torch.critic import build_critic
 from asyncrl.types import TrajectoryGroup, collate
@@ -72,8 +60,8 @@ class TorchLearner:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         # Before the model loads: a gae run without a critic fails at once
-        check_learner_side(algorithm, critic is not None, world_size)
-        self.rollout_is = rollout_is_settings(algorithm)  # likewise a bad IS setting
+        obj.check_learner_side(algorithm, critic is not None, world_size)
+        self.rollout_is = obj.rollout_is_settings(algorithm)  # likewise a bad IS setting
         # Likewise a reference section that cannot be honoured (vocabulary, devices).
         uses_ref = actor.use_kl_loss or algorithm.use_kl_in_reward
         self.reference_spec = reference_spec(reference, model_path, train, uses_ref)
@@ -108,16 +96,18 @@ class TorchLearner:
             from torch.nn.parallel import DistributedDataParallel
 
             self.train_model = DistributedDataParallel(self.model)
-        self.optimizer = self._make_optimizer()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, self._lr_lambda(total_steps)
         )
-        self.loss_params = loss_params(actor)
+        self.loss_params = obj.loss_params(actor)
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
         self.critic: Critic | None = None
         if critic is not None:
             self.critic = build_critic(critic, model_path, actor, algorithm, device, total_steps)
-        self.kl_ctrl = kl_controller(algorithm)  # None unless use_kl_in_reward
+        self.kl_ctrl = obj.kl_controller(algorithm)  # None unless use_kl_in_reward
+        self.stochastic_forward = lp.has_dropout(self.model)
 
     # -- construction helpers ----------------------------------------------------------------
     def _make_reference(self) -> torch.nn.Module:
@@ -136,21 +126,8 @@ class TorchLearner:
         ref = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
         return _frozen(ref.to(self.device))
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        targs, optim = self.train.training_args, self.actor.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if optim.name == "sgd":
-            return torch.optim.SGD(params, lr=targs.learning_rate, weight_decay=targs.weight_decay)
-        return torch.optim.AdamW(
-            params,
-            lr=targs.learning_rate,
-            weight_decay=targs.weight_decay,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-        )
-
     def _lr_lambda(self, total_steps: int):
-        return lr_factor(self.train.training_args, self.actor.optim, total_steps)
+        return obj.lr_factor(self.train.training_args, self.actor.optim, total_steps)
 
     # -- the update --------------------------------------------------------------------------
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -160,19 +137,24 @@ class TorchLearner:
         data = collate(groups, self.pad_id).to_torch(self.device)
         data["response_mask"] = data["response_mask"].float()
         total_rows = data["input_ids"].shape[0]
+        warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
+        reuse = not warmup and obj.prox_from_training_forward(
+            self.algorithm, self.actor, total_rows, self.stochastic_forward
+        )
         if self.world_size > 1:
             # Batch-level advantages see every row of the batch: computed before sharding.
-            data["advantages"] = batch_advantages(self.algorithm, data)
-            adv_metrics = advantage_metrics(data["advantages"], data["response_mask"])
+            data["advantages"] = obj.batch_advantages(self.algorithm, data)
+            adv_metrics = obj.advantage_metrics(data["advantages"], data["response_mask"])
             # this rank's shard: global row r lives on rank r % world
-            data = select_rows(data, torch.arange(self.rank, total_rows, self.world_size))
-            prep, metrics = self._prepare(data)
+            data = lp.select_rows(data, torch.arange(self.rank, total_rows, self.world_size))
+            prep, metrics = self._prepare(data, reuse)
         else:  # one process holds the whole batch: KL-in-reward and GAE need old/ref/values
-            prep, metrics = self._prepare(data)
+            prep, metrics = self._prepare(data, reuse)
             adv_metrics = self._advantages(data, prep)
-        warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
         if not warmup:  # critic_warmup: the first steps train the critic only
             metrics.update(self._optimise(data, prep, total_rows))
+        if reuse:  # the IS metrics of the whole batch, from what the training forward filled in
+            metrics.update(self._correct(prep["prox"], data["rollout_logprobs"], data)[2])
         metrics = self._average_over_ranks(metrics)
         self.version += 1
         metrics.update(
@@ -186,28 +168,40 @@ class TorchLearner:
         )
         return metrics
 
+    def _correct(
+        self, old: torch.Tensor, rollout: torch.Tensor, data: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+        """`correct` (IS weights, rejection-filtered mask, mismatch metrics) of these rows."""
+        loss_mode, mask = self.actor.policy_loss.loss_mode, data["response_mask"]
+        return obj.correct(self.algorithm, self.rollout_is, loss_mode, old, rollout, mask)
+
     @torch.no_grad()
-    def _prepare(self, data: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, float]]:
-        """Old/reference logprobs, IS weights and the (rejection-filtered) loss mask."""
-        alg, infer_bs = self.algorithm, self.train.infer_batch_size
-        rollout = data["rollout_logprobs"]
-        mask = data["response_mask"]
+    def _prepare(
+        self, data: dict[str, torch.Tensor], reuse: bool = False
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """Old/reference logprobs, IS weights and the (rejection-filtered) loss mask. `reuse`:
+        the training forward fills `prep["prox"]` and corrects each micro-batch (`_micro_loss`);
+        otherwise the proximal logprobs are recomputed in forwards of at most infer_batch_size
+        rows of the batch's width (`budget_logprobs`: short rows share a forward)."""
+        alg, rollout = self.algorithm, data["rollout_logprobs"]
         self.model.eval()
-        recomputed = None
-        if alg.correction_mode == "decoupled":
-            recomputed = batched_logprobs(self.model, data, self.temperature, infer_bs)
-        old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
-        weights, mask, metrics = correct(
-            alg, self.rollout_is, self.actor.policy_loss.loss_mode, old, rollout, mask
-        )
+        old, weights, mask, metrics = None, None, data["response_mask"], {}
+        if not reuse:
+            recomputed = None
+            if alg.correction_mode == "decoupled":
+                budget = self.train.infer_batch_size * data["input_ids"].shape[1]
+                recomputed = lp.budget_logprobs(self.model, data, self.temperature, budget)
+            old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
+            weights, mask, metrics = self._correct(old, rollout, data)
         ref = None
         if self.reference is not None:
-            ref = batched_logprobs(
+            ref = lp.batched_logprobs(
                 self.reference, data, self.temperature, self.reference_batch_size
             )
         # "ref" is what the KL loss reads (only with use_kl_loss); KL-in-reward reads "ref_all".
         loss_ref = ref if self.actor.use_kl_loss else None
         prep = {"old": old, "weights": weights, "mask": mask, "ref": loss_ref, "ref_all": ref}
+        prep["prox"] = torch.zeros_like(rollout) if reuse else None
         return prep, metrics
 
     def _advantages(self, data: dict[str, torch.Tensor], prep: dict[str, Any]) -> dict[str, float]:
@@ -219,11 +213,11 @@ class TorchLearner:
         rewards, metrics = None, {}
         if self.kl_ctrl is not None:
             rewards = outcome_token_rewards(data["rewards"].to(torch.float64), mask > 0)
-            rewards, metrics = kl_reward(alg, self.kl_ctrl, rewards, prep["old"], prep["ref_all"],
-                                         mask)  # fmt: skip
+            rewards, metrics = obj.kl_reward(alg, self.kl_ctrl, rewards, prep["old"],
+                                             prep["ref_all"], mask)  # fmt: skip
         values = self.critic.values(data) if self.critic is not None else None
-        data["advantages"], returns = advantages_and_returns(alg, data, rewards, values)
-        metrics.update(advantage_metrics(data["advantages"], mask))
+        data["advantages"], returns = obj.advantages_and_returns(alg, data, rewards, values)
+        metrics.update(obj.advantage_metrics(data["advantages"], mask))
         if self.critic is not None and values is not None:
             metrics.update(value_metrics(values, returns, mask))
             metrics.update(self.critic.update(data, values, returns, mask))
@@ -304,18 +298,23 @@ class TorchLearner:
     ) -> tuple[torch.Tensor, dict[str, float], float]:
         """(loss scaled by its share of the mini-batch, metrics, that share)."""
         actor = self.actor
-        micro = select_rows(data, idx)
+        micro = lp.select_rows(data, idx)
         mask = prep["mask"][idx]
-        logp, entropy = token_logprobs(self.train_model, micro, self.temperature, with_entropy=True)
+        logp, entropy = lp.token_logprobs(
+            self.train_model, micro, self.temperature, with_entropy=True
+        )
         if actor.entropy_coeff == 0 and entropy is not None:
             # Only the metric needs it: detached, its graph (a [B, R, V] softmax) is freed now.
             entropy = entropy.detach()
         rows = {k: prep[k][idx] if prep[k] is not None else None for k in ("old", "weights", "ref")}
         rows.update(mask=mask, advantages=micro["advantages"])
+        if prep["prox"] is not None:  # one optimizer step: this forward IS the proximal policy
+            rows["old"] = prep["prox"][idx] = logp.detach()
+            rows["weights"] = self._correct(rows["old"], micro["rollout_logprobs"], micro)[0]
         rows["rollout_logprobs"] = micro["rollout_logprobs"]
-        loss, metrics = objective(actor, self.loss_fn, self.loss_params, logp, entropy, rows)
+        loss, metrics = obj.objective(actor, self.loss_fn, self.loss_params, logp, entropy, rows)
         # Aggregate over the whole mini-batch, not per micro-batch (see common.micro_share).
-        share = micro_share(actor.loss_agg_mode, mask, len(idx), totals)
+        share = obj.micro_share(actor.loss_agg_mode, mask, len(idx), totals)
         return loss * share, metrics, float(share)
 
     def _average_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,167 @@
+"""Request priority (SGLang's `priority` on /generate): the hf engine admits waiting requests by
+it, the hf server checks it, evaluation puts `logging.eval_priority` on its requests, and the
+SGLang launcher turns priority scheduling on only when evaluation needs it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.config.schema import LoggingConfig
+from asyncrl.data.prompts import PromptItem
+from asyncrl.engine.client import EngineClient
+from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq
+from asyncrl.engine.hf.engine import HFEngine
+from asyncrl.engine.hf.protocol import parse_generate
+from asyncrl.engine.sglang import SGLangConfigError, SGLangSettings, server_command, with_priority
+from asyncrl.rollout.evaluation import Evaluator
+from asyncrl.rollout.settings import RolloutSettings
+from tests.helpers import random_qwen2
+
+DEADLINE_S = 60.0
+LONG = 1500  # the filler's tokens: it holds the only batch slot until it is aborted
+
+
+def _seq(rid: str, priority: int, done: list[str], cond: threading.Condition, n: int) -> Seq:
+    def on_done(seq: Seq) -> None:
+        with cond:
+            done.append(seq.rid)
+            cond.notify_all()
+
+    params = SamplingParams.from_json({"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    return Seq(rid, [3, 4, 5], params, on_done, priority=priority)
+
+
+def _wait_until(pred, what: str) -> None:
+    """Poll engine state (deadline, no fixed sleep) until `pred()` holds."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        threading.Event().wait(0.005)
+
+
+def test_hf_engine_admits_a_later_higher_priority_request_first_fifo_within_a_priority():
+    engine = HFEngine(random_qwen2(), max_batch_size=1, seed=0)
+    done: list[str] = []
+    cond = threading.Condition()
+    engine.start()
+    try:
+        engine.submit(_seq("filler", 0, done, cond, LONG))
+        # the filler holds the only slot: everything submitted from now on waits
+        _wait_until(lambda: engine.load()["num_waiting_reqs"] == 0, "the filler to run")
+        assert engine.load()["num_reqs"] == 1
+        for rid, prio in (("low1", -1), ("mid1", 0), ("high1", 5), ("low2", -1), ("high2", 5)):
+            engine.submit(_seq(rid, prio, done, cond, 2))
+        assert engine.load()["num_waiting_reqs"] == 5  # all wait behind the full batch
+        assert engine.abort("filler") == 1
+        with cond:
+            assert cond.wait_for(lambda: len(done) == 6, DEADLINE_S), done
+        # one slot: each request finishes before the next is admitted, so the finish order is
+        # the admission order: priority first, arrival within one; the lowest still runs
+        assert done == ["filler", "high1", "high2", "mid1", "low1", "low2"]
+    finally:
+        engine.stop()
+
+
+def test_retracted_requests_keep_their_place_within_their_priority():
+    engine = HFEngine(random_qwen2(), max_batch_size=1, seed=0)
+    done: list[str] = []
+    cond = threading.Condition()
+    engine.start()
+    try:
+        engine.submit(_seq("first", 0, done, cond, 40))
+        _wait_until(lambda: engine.load()["num_waiting_reqs"] == 0, "the first request to run")
+        engine.submit(_seq("second", 0, done, cond, 2))
+        engine.submit(_seq("eval", -1, done, cond, 2))
+        engine.pause("retract")  # `first` goes back to the head of the queue
+        engine.resume()
+        with cond:
+            assert cond.wait_for(lambda: len(done) == 3, DEADLINE_S), done
+        assert done == ["first", "second", "eval"]
+    finally:
+        engine.stop()
+
+
+def test_generate_body_priority_is_checked():
+    def parse(extra: dict) -> list[Seq]:
+        return parse_generate({"input_ids": [1, 2], **extra}, lambda s: None)[0]
+
+    assert parse({})[0].priority == 0
+    assert parse({"priority": None})[0].priority == 0
+    assert parse({"priority": -3})[0].priority == -3
+    batch = parse_generate({"input_ids": [[1], [2]], "priority": [2, -1]}, lambda s: None)[0]
+    assert [s.priority for s in batch] == [2, -1]
+    for bad, match in (
+        (1.5, "priority must be int"),
+        (True, "priority must be int"),
+        ("1", "priority must be int"),
+        (1 << 63, "signed 64-bit"),
+    ):
+        with pytest.raises(RequestError, match=match):
+            parse({"priority": bad})
+
+
+def _evaluator(tiny_model, priority: int | None) -> tuple[Evaluator, list[dict]]:
+    """A real Evaluator whose engine edge (the HTTP call) records each body and answers it."""
+    sent: list[dict] = []
+    client = EngineClient("http://127.0.0.1:9")
+
+    async def call_ok(method, path, body=None, timeout_s=None):
+        sent.append(body)
+        meta = {"finish_reason": {"type": "length"}, "weight_version": "3", "prompt_tokens": 2}
+        meta |= {"output_token_weight_versions": ["3"], "output_token_logprobs": [[-0.1, 5, None]]}
+        return {"output_ids": [5], "meta_info": meta}
+
+    client._call_ok = call_ok
+    logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
+    settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model))
+    items = [PromptItem(f"k{i}", [1, 2], "1+1") for i in range(2)]
+    fleet = SimpleNamespace(clients=[client])
+    return Evaluator(logging, 10, items, settings, fleet), sent
+
+
+def test_evaluation_requests_carry_eval_priority_and_parse_on_the_hf_server(tiny_model):
+    ev, sent = _evaluator(tiny_model, None)
+    outs, _ = asyncio.run(ev._generate(3))
+    assert outs == [[5], [5]] and len(sent) == 2
+    assert all(body["priority"] == -1 for body in sent)  # default: below rollout's 0
+    assert parse_generate(sent[0], lambda s: None)[0][0].priority == -1
+    ev, sent = _evaluator(tiny_model, 0)
+    asyncio.run(ev._generate(3))
+    assert all("priority" not in body for body in sent)  # same priority as rollout: none sent
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
+def test_evaluation_body_fits_sglangs_generate_struct(tiny_model, version):
+    from tests.fake_sglang.wheel_structs import load_module, read_structs, violations
+    from tests.test_sglang_contract import wheel
+
+    whl = wheel(version)
+    structs = read_structs(whl.read("sglang/srt/managers/io_struct.py").decode())
+    ev, sent = _evaluator(tiny_model, -1)
+    asyncio.run(ev._generate(3))
+    assert violations(structs["GenerateReqInput"], sent[0]) == []
+    assert violations(structs["GenerateReqInput"], {**sent[0], "priority": "low"})  # live
+    if "sglang/api/v1/api_types.py" in whl.namelist():
+        load_module(whl, "sglang/api/v1/api_types.py").GenerateRequest.from_json_value(sent[0])
+
+
+def test_sglang_launch_turns_priority_scheduling_on_only_when_eval_priority_differs(tmp_path):
+    base = SGLangSettings.parse({})
+    assert with_priority(base, 0, "0.5.23") is base
+    assert with_priority(base, None, "0.5.23") is base
+    on = with_priority(base, -1, "0.5.23")
+    cmd = server_command(tmp_path, 30000, 1, on)
+    assert "--enable-priority-scheduling" in cmd
+    assert cmd[cmd.index("--default-priority-value") + 1] == "0"
+    assert "--enable-priority-scheduling" not in server_command(tmp_path, 30000, 1, base)
+    with pytest.raises(SGLangConfigError, match="eval_priority=-1 .* 0.5.6 has no"):
+        with_priority(base, -1, "0.5.6")
+    with pytest.raises(SGLangConfigError, match="schedule_policy 'lpm'"):
+        with_priority(SGLangSettings.parse({"schedule_policy": "lpm"}), -1, "0.5.23")
+    attached = SGLangSettings.parse({"server_urls": ["http://127.0.0.1:1"]})
+    assert with_priority(attached, -1, "0.5.6") is attached
