@@ -27,7 +27,6 @@ starts from plain discounted returns rather than from random-head noise.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.algo.agg import agg_loss, masked_mean, masked_sum
+from asyncrl.learner.reference import vocab_size
 
 Batch = dict[str, torch.Tensor]
 
@@ -83,7 +83,8 @@ def critic_model_path(model_name_or_path: str, actor_path: str | Path) -> Path:
     its vocabulary size must equal the actor's: checked here, before any weight loads."""
     path = Path(model_name_or_path or actor_path)
     sizes = [
-        _vocab_size(p, role) for p, role in ((Path(actor_path), "actor_train"), (path, "critic"))
+        vocab_size(p, role, CriticConfigError)
+        for p, role in ((Path(actor_path), "actor_train"), (path, "critic"))
     ]
     if sizes[0] != sizes[1]:
         raise CriticConfigError(
@@ -91,20 +92,6 @@ def critic_model_path(model_name_or_path: str, actor_path: str | Path) -> Path:
             f"actor ({actor_path}) has {sizes[0]}: the critic must share the actor's tokenizer"
         )
     return path
-
-
-def _vocab_size(model_dir: Path, role: str) -> int:
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise CriticConfigError(
-            f"{role}.model_args.model_name_or_path {model_dir} is not a Hugging Face model "
-            "directory (no config.json)"
-        )
-    config = json.loads(config_file.read_text())
-    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    if not isinstance(size, int) or size <= 0:
-        raise CriticConfigError(f"{config_file} has no positive vocab_size")
-    return size
 
 
 # ------------------------------------------------------------------------------ the math

@@ -77,11 +77,12 @@ def reference_spec(
     )
 
 
-def vocab_size(model_dir: Path, role: str) -> int:
-    """Embedding rows of the HF model at `model_dir` (its text config's `vocab_size`)."""
+def vocab_size(model_dir: Path, role: str, error: type[ValueError] = ReferenceConfigError) -> int:
+    """Embedding rows of the HF model at `model_dir` (its text config's `vocab_size`); `error`:
+    the config error the caller's role raises."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
-        raise ReferenceConfigError(
+        raise error(
             f"{role}.model_args.model_name_or_path {model_dir} is not a Hugging Face model "
             "directory (no config.json)"
         )
@@ -89,7 +90,7 @@ def vocab_size(model_dir: Path, role: str) -> int:
     # Multimodal configs nest the language model's sizes under text_config.
     size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     if not isinstance(size, int) or size <= 0:
-        raise ReferenceConfigError(f"{config_file} has no positive vocab_size")
+        raise error(f"{config_file} has no positive vocab_size")
     return size
 
 
