@@ -307,7 +307,10 @@ def test_deferred_rows_wait_for_their_evaluation_and_keep_step_order():
     logged: list[tuple[int, dict]] = []
 
     class Log:
-        def log(self, step: int, metrics: dict) -> None:
+        def elapsed(self) -> float:
+            return 0.0
+
+        def log(self, step: int, metrics: dict, *, at: float | None = None) -> None:
             logged.append((step, dict(metrics)))
 
     rows = DeferredRows(Log())
@@ -327,3 +330,20 @@ def test_deferred_rows_wait_for_their_evaluation_and_keep_step_order():
     with pytest.raises(ValueError, match="step 2 after step 3"):
         rows.add(3, {})
         rows.add(2, {})
+
+
+def test_a_held_row_keeps_the_time_its_step_ended(tmp_path, monkeypatch):
+    """Rows held for their evaluation are written later, all at once: their `time` must still
+    be when their step ended, or throughput-over-time plots fold back on themselves."""
+    logger = MetricsLogger(tmp_path, cfg(plots=False, console=False))
+    clock = iter([1.0, 2.0, 9.0, 9.5])
+    monkeypatch.setattr(logger, "elapsed", lambda: next(clock))
+    with logger:
+        held = DeferredRows(logger)
+        held.add(1, {"version": 1.0})  # ends at 1.0
+        held.add(2, {"version": 2.0})  # ends at 2.0
+        held.flush(held=())  # written later (the clock would say 9.0, 9.5)
+    assert [(r["step"], r["time"]) for r in rows(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0),
+        (2, 2.0),
+    ]

@@ -16,21 +16,26 @@ from typing import Protocol
 
 
 class StepLog(Protocol):
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def elapsed(self) -> float: ...
+
+    def log(self, step: int, metrics: dict[str, float], *, at: float | None = None) -> None: ...
 
 
 class DeferredRows:
-    """Rows not yet written, oldest first: `(step, metrics)`."""
+    """Rows not yet written, oldest first: `(step, metrics)`, each with the time its step ended
+    (written with it: a held row keeps its step's time, not the time it was written)."""
 
     def __init__(self, log: StepLog) -> None:
         self._log = log
         self.rows: list[tuple[int, dict[str, float]]] = []
+        self._ended: dict[int, float] = {}
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
         """The metrics of `step` (after every step already added)."""
         if self.rows and step <= self.rows[-1][0]:
             raise ValueError(f"deferred rows: step {step} after step {self.rows[-1][0]}")
         self.rows.append((step, metrics))
+        self._ended[step] = self._log.elapsed()
 
     def land(self, results: Iterable[tuple[int, dict[str, float]]]) -> None:
         """Merge finished evaluations into the rows of their steps (a row already written
@@ -46,4 +51,4 @@ class DeferredRows:
         evaluation is still in flight)."""
         while self.rows and self.rows[0][0] not in held:
             step, metrics = self.rows.pop(0)
-            self._log.log(step, metrics)
+            self._log.log(step, metrics, at=self._ended.pop(step))

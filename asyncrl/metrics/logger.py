@@ -145,13 +145,19 @@ class MetricsLogger:
         return self._offset + time.perf_counter() - self._start
 
     def log(
-        self, step: int, metrics: Mapping[str, Any], staleness_hist: Mapping[int, int] | None = None
+        self,
+        step: int,
+        metrics: Mapping[str, Any],
+        staleness_hist: Mapping[int, int] | None = None,
+        at: float | None = None,
     ) -> None:
-        """Record one step's metrics in every sink. Non-finite values are kept (null in JSONL)."""
+        """Record one step's metrics in every sink. Non-finite values are kept (null in JSONL).
+        `at`: when the step ended (`elapsed()` then; default now) — a row written later (held
+        for its evaluation) keeps its step's own time."""
         if self.summary is not None:
             raise MetricsError(f"metrics: log(step={step}) after close()")
         clean = clean_metrics(step, metrics, staleness_hist)
-        self._now = self.elapsed()
+        self._now = self.elapsed() if at is None else at
         self.history.add(step, self._now, clean)
         for sink in self._sinks:
             sink.write(step, clean)
