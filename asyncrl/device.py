@@ -154,6 +154,13 @@ def prepare_megatron_imports(device: DeviceSpec) -> None:
             ) from None
 
 
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a config's `model_args.dtype` name (fp32 | bf16 | fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 @contextlib.contextmanager
 def torch_threads(threads: int) -> Iterator[None]:
     """torch's CPU threads set to `threads` (0: unchanged) inside the block, restored after."""

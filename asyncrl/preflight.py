@@ -66,11 +66,9 @@ def check_machine(cfg: Any) -> None:
     package is missing) or `DeviceError` (the configured device or weight-sync backend is
     absent) if `cfg` cannot run on this machine."""
     from asyncrl.device import detect_device, resolve_backend
+    from asyncrl.rewards import get_reward_fn
 
-    if cfg.env is None:  # RewardError: a reward whose package is missing (math-verify)
-        from asyncrl.rewards import get_reward_fn
-
-        get_reward_fn(cfg.rollout.reward_fn)
+    get_reward_fn(cfg.rollout.reward_fn)  # RewardError: its package is missing (math-verify)
     device = detect_device()  # DeviceError when ASYNCRL_DEVICE names an absent device
     missing = missing_pieces(cfg, device.kind)
     if missing:

@@ -133,13 +133,11 @@ def start_rollout(
     from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
     from asyncrl.orchestrator import GroupLimits, GroupPump, model_vocab_size
-    from asyncrl.rewards import get_reward_fn
     from asyncrl.rollout.dispatch import Dispatcher
     from asyncrl.rollout.ray_pool import RayWorkerPool
     from asyncrl.transport.zmq import Receiver, ReceiverConfig
 
     ro = cfg.rollout
-    get_reward_fn(ro.reward_fn)  # a bad reward_fn fails here, in one line, before any start
     # The run's secrets, one per purpose: the engine key may show on an engine's command line
     # (SGLang's --api-key), and must not let its reader sign groups. Passed as arguments
     # (Ray does not log actor arguments), never printed.

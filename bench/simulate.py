@@ -182,6 +182,15 @@ def _thread_cpu(native_ids: dict[str, int]) -> dict[str, float]:
 
 def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> dict[str, Any]:
     replay = ReplayQueue(ReplayConfig(work.max_staleness, work.batch))
+    steps = run_cluster(replay, actors, cal, work, seed)
+    return _summarise(actors, steps, replay.metrics(), work)
+
+
+def run_cluster(
+    replay: ReplayQueue, actors: int, cal: Calibration, work: Workload, seed: int = 0
+) -> list[dict[str, Any]]:
+    """The real queue, dispatcher, transport and pump around `actors` simulated engines and a
+    simulated learner; one record per learner step (stopped early at `work.max_wall_s`)."""
     secret = secrets.token_bytes(32)  # as a run: every actor's connection proves it (PLAIN)
     receiver = Receiver(ReceiverConfig(hwm=1024, secret=secret))
     pool = SimPool(actors, cal, work, receiver.port, seed, secret)
@@ -194,25 +203,26 @@ def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> di
     threads = {"dispatcher": dispatcher._thread.native_id, "pump": pump._thread.native_id,
                "actors": pool.thread.native_id, "learner": threading.get_native_id()}  # fmt: skip
     try:
-        steps = _learn(replay, pool, dispatcher, receiver, cal, work, threads)
+        return _learn(replay, pool, dispatcher, receiver, cal, work, threads)
     finally:
         replay.close()
         dispatcher.stop()
         pool.close()
         pump.__exit__()
         receiver.close()
-    return _summarise(actors, steps, replay.metrics(), work)
 
 
 def _learn(replay, pool, dispatcher, receiver, cal, work, threads) -> list[dict[str, Any]]:
-    """The simulated learner: take, 'train' (sleep), bump the version. One record per step."""
+    """The simulated learner: take (timed: its idle), 'train' for tokens / its speed + the
+    sync (sleep), bump the version. One record per step."""
     steps, version, began = [], 0, time.perf_counter()
     while len(steps) < work.steps and time.perf_counter() - began < work.max_wall_s:
-        start = time.perf_counter()
-        groups = None
-        while groups is None:
+        start, groups = time.perf_counter(), None
+        while groups is None and time.perf_counter() - began < work.max_wall_s:
             dispatcher.check()
             groups = replay.take(work.batch, version, timeout=0.5)
+        if groups is None:
+            break
         got = time.perf_counter()
         tokens = sum(g.num_tokens for g in groups)
         time.sleep((tokens / cal.learner_tokens_per_s + cal.sync_s) / work.speedup)

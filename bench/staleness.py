@@ -18,24 +18,17 @@ Targets: correct keeps >= 0.95x the trained tokens/s of evict with a length rati
 
 from __future__ import annotations
 
-import itertools
 import json
-import secrets
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from common import finish, headline, make_parser, print_table
-from simulate import Calibration, SimPool, Workload
+from simulate import Calibration, Workload, run_cluster
 
-from asyncrl.data.prompts import PromptItem
-from asyncrl.orchestrator import GroupPump
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
-from asyncrl.rollout.dispatch import Dispatcher
-from asyncrl.transport.zmq import Receiver, ReceiverConfig
 
 POLICIES = ("evict", "wait", "correct")
 TARGET_THROUGHPUT, TARGET_RATIO = 0.95, 0.95
@@ -49,44 +42,8 @@ def simulate_policy(policy: str, cal: Calibration, work: Workload, actors: int) 
     """One policy on the simulated long-tailed cluster (real queue, dispatcher, transport)."""
     cfg = ReplayConfig(work.max_staleness, work.batch, stale_policy=policy, max_staleness_hard=HARD)
     replay = ReplayQueue(cfg)
-    secret = secrets.token_bytes(32)
-    receiver = Receiver(ReceiverConfig(hwm=1024, secret=secret))
-    pool = SimPool(actors, cal, work, receiver.port, 0, secret)
-    counter = itertools.count()
-    next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=[0])  # noqa: E731
-    dispatcher = Dispatcher(pool, replay, next_prompt, work.inflight)
-    pump = GroupPump(receiver, replay).__enter__()
-    dispatcher.start()
-    try:
-        steps = _learn(replay, pool, dispatcher, cal, work)
-    finally:
-        replay.close()
-        dispatcher.stop()
-        pool.close()
-        pump.__exit__()
-        receiver.close()
+    steps = run_cluster(replay, actors, cal, work)
     return _summary(policy, steps, replay.metrics(), work)
-
-
-def _learn(replay, pool, dispatcher, cal, work) -> list[dict[str, float]]:
-    """The simulated learner: take (timed: its idle), 'train' for tokens / its speed + the
-    sync, bump the version."""
-    steps, version, began = [], 0, time.perf_counter()
-    while len(steps) < work.steps and time.perf_counter() - began < work.max_wall_s:
-        start, groups = time.perf_counter(), None
-        while groups is None and time.perf_counter() - began < work.max_wall_s:
-            dispatcher.check()
-            groups = replay.take(work.batch, version, timeout=0.5)
-        if groups is None:
-            break
-        got = time.perf_counter()
-        tokens = sum(g.num_tokens for g in groups)
-        time.sleep((tokens / cal.learner_tokens_per_s + cal.sync_s) / work.speedup)
-        version += 1
-        pool.version = version
-        replay.set_version(version)
-        steps.append({"start": start, "got": got, "end": time.perf_counter(), "tokens": tokens})
-    return steps
 
 
 def _summary(policy: str, steps: list[dict], qm: dict, work: Workload) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config.schema import WeightSyncConfig, WorkerConfig
-from asyncrl.device import DeviceSpec, resolve_backend
+from asyncrl.device import DeviceSpec, resolve_backend, torch_dtype
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.process import ServerHandle
 from asyncrl.net import AsyncRunner
@@ -225,17 +225,17 @@ class EngineFleet:
         self.launcher.close()
 
     # -- weights -----------------------------------------------------------------------------
-    def sync(self, source: WeightSource) -> dict[str, float]:
-        """Broadcast `source`'s weights into every engine at its version; timing metrics."""
-        import torch
-
-        # The engines' dtype (hf_infer serves fp32 unless told; SGLang's own default is the
-        # model's torch_dtype, and it casts what it is sent): a learner in another one is cast
-        # on the way, never refused by an engine's dtype check.
+    def _served_dtype(self) -> Any:
+        """The engines' dtype (hf_infer serves fp32 unless told; SGLang's own default is the
+        model's torch_dtype, and it casts what it is sent): a learner in another one is cast on
+        the way, never refused by an engine's dtype check. None: send as the learner holds."""
         served = self.infer.model_args.dtype or (
             "fp32" if self.infer.strategy_args.strategy_name == "hf_infer" else None
         )
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(served)
+        return torch_dtype(served) if served else None
+
+    def sync(self, source: WeightSource) -> dict[str, float]:
+        """Broadcast `source`'s weights into every engine at its version; timing metrics."""
         stats = self.runner.run(
             self.sender.sync(
                 self._tensors(source),
@@ -243,7 +243,7 @@ class EngineFleet:
                 bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
                 load_format=self._load_format(),
                 pause_mode=self.pause_mode,
-                dtype=dtype,
+                dtype=self._served_dtype(),
             ),
             timeout=self.ws.timeout_s * 4,
         )

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.device import torch_dtype
 from asyncrl.learner.critic import CriticSettings, TorchCritic, ValueModel, critic_model_path
-from asyncrl.learner.objective import lr_factor
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from asyncrl.learner.objective import lr_factor, make_optimizer
 
 
 def build_critic(
@@ -26,7 +23,7 @@ def build_critic(
     from transformers import AutoModel
 
     path = critic_model_path(section.model_args.model_name_or_path, actor_path)
-    dtype = DTYPES[section.model_args.dtype or "fp32"]
+    dtype = torch_dtype(section.model_args.dtype or "fp32")
     # AutoModel is the architecture without its LM head (Qwen2ForCausalLM -> Qwen2Model): the
     # checkpoint's trunk weights load, the vocabulary projection is never built.
     trunk = AutoModel.from_pretrained(path, dtype=dtype)
@@ -37,14 +34,7 @@ def build_critic(
         enable = getattr(trunk, "activation_checkpointing_enable", None)
         (enable or trunk.gradient_checkpointing_enable)()
     targs, optim = section.training_args, actor.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    if optim.name == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(
-            params, lr=targs.learning_rate, weight_decay=targs.weight_decay
-        )
-    else:
-        opt = torch.optim.AdamW(params, lr=targs.learning_rate, weight_decay=targs.weight_decay,
-                                betas=tuple(optim.betas), eps=optim.eps)  # fmt: skip
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], targs, optim)
     settings = CriticSettings(
         cliprange_value=algorithm.cliprange_value,
         loss_agg_mode=actor.loss_agg_mode,

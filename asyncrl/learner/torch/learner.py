@@ -25,6 +25,7 @@ from asyncrl.algo.advantages import outcome_token_rewards
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.device import torch_dtype
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import lora
 from asyncrl.learner import objective as obj
@@ -32,8 +33,6 @@ from asyncrl.learner.critic import Critic, value_metrics
 from asyncrl.learner.reference import ReferenceSpec, reference_spec
 from asyncrl.learner.torch.critic import build_critic
 from asyncrl.types import TrajectoryGroup, collate
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TorchLearner:
@@ -69,7 +68,7 @@ class TorchLearner:
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
         self.rank, self.world_size = rank, world_size
-        dtype = DTYPES[train.model_args.dtype or "fp32"]
+        dtype = torch_dtype(train.model_args.dtype or "fp32")
         attn = {"attn_implementation": a} if (a := train.model_args.attn_implementation) else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn)
         self.model.to(device)
@@ -122,7 +121,7 @@ class TorchLearner:
 
         # Every strategy name (fsdp2_train, hf_infer, megatron_infer) scores the same HF model
         # directory; here it is a transformers model in this process, on the learner's device.
-        dtype = DTYPES[spec.dtype] if spec.dtype else self.model.dtype
+        dtype = torch_dtype(spec.dtype) if spec.dtype else self.model.dtype
         ref = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
         return _frozen(ref.to(self.device))
 
