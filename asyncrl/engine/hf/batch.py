@@ -221,23 +221,35 @@ def merge(a: KVBatch | None, b: KVBatch | None) -> KVBatch | None:
     )
 
 
-def _filter(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Top-k, top-p and min-p masks on one row of temperature-scaled logits. The most likely
-    token always survives (SGLang's sampler too): a tiny top_p or a min_p of 1 means greedy,
-    never an empty distribution."""
-    if 0 < p.top_k < scaled.numel():
-        kth = torch.topk(scaled, p.top_k).values[-1]
+def _filter(scaled: torch.Tensor, seqs: list[Seq]) -> torch.Tensor:
+    """Top-k, top-p and min-p masks on temperature-scaled logits [B, V], each row by its own
+    request's parameters, in batch tensor ops. The most likely token always survives (SGLang's
+    sampler too): a tiny top_p or a min_p of 1 means greedy, never an empty distribution.
+    Order as SGLang: top-k, then top-p on the renormalised survivors, then min-p."""
+    vocab = scaled.shape[1]
+    k = torch.tensor([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs])
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=scaled.dtype)
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=scaled.dtype)
+    if bool((k < vocab).any()):  # ties with the k-th value survive
+        kth = torch.topk(scaled, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, -1)
-        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the token crossing top_p
-        drop[0] = False  # top_p below float32's resolution rounds to 0: keep the top token
-        scaled = scaled.clone()
-        scaled[order[drop]] = float("-inf")
-    if p.min_p > 0.0:  # prob < min_p * max prob, in logit space (the max survives the masks)
-        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
+        drop = probs.cumsum(-1) - probs >= top_p[:, None]  # keep the token crossing top_p
+        drop[:, 0] = False  # top_p below float32's resolution rounds to 0: keep the top token
+        drop &= (top_p < 1.0)[:, None]
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if bool((min_p > 0.0).any()):  # prob < min_p * max prob, in logit space (max survives)
+        floor = scaled.max(-1, keepdim=True).values + torch.log(min_p)[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled
+
+
+def _uniforms(seqs: list[Seq]) -> torch.Tensor:
+    """One U[0, 1) draw per row from the row's own generator (the global one if it has none):
+    a request's samples do not depend on its batch mates."""
+    return torch.stack([torch.rand((), dtype=torch.float64, generator=s.generator) for s in seqs])
 
 
 def sample(
@@ -247,30 +259,28 @@ def sample(
 
     The logprob is `log_softmax(logits / temperature)` at the sampled token, top-k/top-p/min-p
     NOT reflected (SGLang's convention); temperature 0 is greedy with the raw logits' logprob.
-    Each request draws from its own generator, so its samples do not depend on batch mates.
-    A row whose logits hold NaN or +inf (or nothing finite) gets an error, not a token: one
-    broken row fails its own request only.
+    Sampling is by inverse CDF over the whole batch at once (one uniform per row from the
+    row's own generator): the same distribution as a per-row multinomial, without a Python
+    loop over the vocabulary per row. A row whose logits hold NaN or +inf (or nothing finite)
+    gets an error, not a token: one broken row fails its own request only.
     """
     logits = logits.float().cpu()
     broken = (logits.isnan() | logits.isposinf()).any(-1) | ~logits.isfinite().any(-1)
+    logits = logits.masked_fill(broken[:, None], 0.0)  # keeps the batch maths finite
+    greedy = torch.tensor([s.params.temperature == 0 for s in seqs])
     temps = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(1)
     scaled = logits / temps
     logp = torch.log_softmax(scaled, dim=-1)
-    tokens: list[int] = []
-    errors: list[str | None] = []
-    for i, s in enumerate(seqs):
-        tok, err = 0, None
-        if broken[i]:
-            err = "the model produced non-finite logits"
-        elif s.params.temperature == 0:
-            tok = int(torch.argmax(logits[i]))
-        else:
-            probs = torch.softmax(_filter(scaled[i], s.params), dim=-1)
-            try:
-                tok = int(torch.multinomial(probs, 1, generator=s.generator))
-            except RuntimeError as e:  # never expected after the checks above; fail the row
-                err = f"sampling failed: {str(e).splitlines()[0]}"
-        tokens.append(tok)
-        errors.append(err)
-    lps = [float(logp[i, t]) for i, t in enumerate(tokens)]
-    return tokens, lps, errors
+    tokens = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        probs = torch.softmax(_filter(scaled, seqs), dim=-1).double()
+        cdf = probs.cumsum(-1)
+        # first index whose cdf exceeds u · total: never a zero-probability token (its cdf
+        # equals its predecessor's); the bound guards u · total rounding up to total
+        drawn = torch.searchsorted(cdf, (_uniforms(seqs) * cdf[:, -1])[:, None], right=True)
+        last = probs.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        drawn = torch.minimum(drawn.squeeze(1), last)
+        tokens = torch.where(greedy, tokens, drawn)
+    lps = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    errors = ["the model produced non-finite logits" if b else None for b in broken.tolist()]
+    return tokens.tolist(), lps, errors
