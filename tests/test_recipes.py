@@ -1,0 +1,56 @@
+"""Every learning claim is a regression check: each shipped recipe with a `check-short:` line in
+its header runs, short and on one seed, through the real CLI, and must meet that claim.
+
+The full claims (`check:`, 3 seeds, the configured steps) are `asyncrl bench recipes`; the
+claim syntax is bench/recipes.py's docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from recipes import Clause, check_run, parse_clause, read_claims, recipe_configs, run_recipe  # noqa: E402
+
+SHORT = [p for p in recipe_configs(None) if "short" in read_claims(p)]
+
+
+def test_every_recipe_with_a_claim_has_a_short_one_and_parses():
+    assert {p.stem for p in SHORT} >= {"default", "ppo_gae"}
+    for path in recipe_configs(None):
+        claims = read_claims(path)
+        assert set(claims) == {"full", "short"}, path.name
+        assert all(c.clauses for c in claims.values()), path.name
+
+
+def test_clause_statistics_are_the_documented_ones():
+    values = [0.1, 0.3, 0.2, 0.6, 0.5]
+    assert parse_clause("first(m, 2) >= 0.2").value(values) == pytest.approx(0.2)
+    assert parse_clause("last(m, 2) >= 0.2").value(values) == pytest.approx(0.55)
+    assert parse_clause("best(m) > 0").value(values) == 0.6
+    assert parse_clause("gain(m) > 0").value(values) == pytest.approx(0.4)
+    assert parse_clause("floor(m) > 0").value(values) == pytest.approx(1.0)
+    assert parse_clause("last(eval/accuracy) < 1").holds(0.99)
+    assert not Clause("last", "m", 1, ">=", 0.5).holds(0.49)
+
+
+@pytest.mark.parametrize(
+    "bad", ["last(m) => 1", "__import__('os')", "gain(m, x) >= 1", "mean(m) > 1"]
+)
+def test_anything_else_is_refused_not_evaluated(bad):
+    with pytest.raises(ValueError, match="not a claim clause"):
+        parse_clause(bad)
+
+
+@pytest.mark.parametrize("config", SHORT, ids=[p.stem for p in SHORT])
+def test_the_short_claim_holds(config, tmp_path):
+    claim = read_claims(config)["short"]
+    run_recipe(config, 0, claim.overrides, tmp_path / "run")
+    checks = check_run(claim, tmp_path / "run" / "metrics.jsonl")
+    failed = {k: v["value"] for k, v in checks.items() if not v["holds"]}
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not failed, f"{config.name}: {failed} over {len(rows)} rows"
