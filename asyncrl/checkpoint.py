@@ -4,6 +4,9 @@ A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
 - `learner.pt`: model, optimizer, scheduler, version, and the critic's model, optimizer and
   scheduler and the KL-in-reward coefficient when configured (torch tensors; loaded with
   `weights_only=True`, so nothing but tensors and plain containers is unpickled),
+- with a sharded (FSDP2) learner, `learner/`: its model, optimizer and frozen reference as a
+  torch.distributed.checkpoint directory, each rank's shards (learner.pt keeps the rest and
+  "sharded" in their place); it loads onto any rank count, one process included,
 - `hf/`: the policy as a Hugging Face model directory (when `hf_model` or `model` is saved),
 - `extra.msgpack`: the run state: step, RNG states, data position, the replay queue (its groups
   stored as the wire codec's frames, `group_to_bytes`) and, once, the in-flight ledger
@@ -12,7 +15,8 @@ A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
 - `meta.json`: step, version and which contents were saved (older checkpoints lack it).
 A checkpoint is complete or ignored: it is written into `.tmp_step_<k>/`, synced and renamed;
 `latest` names the newest one and is replaced after it, so a crash mid-save leaves the previous
-checkpoint in force. `resume: auto` does not trust `latest` alone: it opens the step
+checkpoint in force (`async_save`: the same, written by a background thread from a snapshot
+taken at the save). `resume: auto` does not trust `latest` alone: it opens the step
 directories newest first and takes the first complete one (learner.pt loads; extra.msgpack,
 when saved, is present and unpacks), naming the ones it skipped and why.
 
@@ -28,6 +32,8 @@ import os
 import random
 import re
 import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +52,8 @@ CHECKPOINT_DIR = "checkpoints"
 META_FILE = "meta.json"
 EXTRA_FILE = "extra.msgpack"
 LEARNER_FILE = "learner.pt"
+SHARDED_DIR = "learner"  # a sharded learner's model + optimizer, by torch.distributed.checkpoint
+SHARDED = "sharded"  # what learner.pt holds in place of what SHARDED_DIR holds
 _STEP_DIR = re.compile(r"step_(\d+)")
 # what the loop puts in `extra` (run.py): a run state without one of these cannot be resumed
 _EXTRA_KEYS = ("step", "version", "rng", "prompts", "queue")
@@ -86,17 +94,11 @@ def load_msgpack(path: Path) -> Any:
 
 
 def rng_state() -> dict[str, Any]:
-    return {
-        "python": list(random.getstate()[1]),
-        "python_pos": random.getstate()[2],
-        "numpy": _pack_numpy_rng(),
-        "torch": torch.get_rng_state().numpy(),
-    }
-
-
-def _pack_numpy_rng() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"kind": kind, "keys": keys, "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
+    numpy = {"kind": kind, "keys": keys, "pos": pos, "has_gauss": has_gauss, "gauss": gauss}
+    _, state, position = random.getstate()
+    return {"python": list(state), "python_pos": position, "numpy": numpy,
+            "torch": torch.get_rng_state().numpy()}  # fmt: skip
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -104,6 +106,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"], n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+
+
+def save_learner_file(state: dict[str, Any], path: Path) -> None:
+    """torch.save of the learner state (the one place a checkpoint's tensors are written)."""
+    torch.save(state, path)
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A copy of a (nested) learner state whose tensors are CPU copies: a snapshot that the
+    training steps after it (in-place updates) cannot change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value
 
 
 def _fsync(path: Path) -> None:
@@ -211,35 +230,102 @@ def _step_of(path: Path, meta: dict[str, Any] | None, extra: dict[str, Any] | No
     raise IncompleteCheckpoint(f"neither {EXTRA_FILE} nor {META_FILE} gives its step")
 
 
+class CheckpointSaveError(RuntimeError):
+    """A (background) checkpoint save failed; the previous checkpoint stays in force."""
+
+
 class Checkpointer:
-    def __init__(self, output_dir: str | Path, save_contents: list[str]) -> None:
-        self.root = Path(output_dir) / CHECKPOINT_DIR
-        self.save_contents = set(save_contents)
+    """Writes and finds checkpoints. `async_save`: `save` snapshots everything on the calling
+    thread (tensors copied to the CPU, the run state packed) and a background thread writes it;
+    one save at a time (a save waits for the previous one), `wait` for the last."""
+
+    def __init__(
+        self, output_dir: str | Path, save_contents: list[str], async_save: bool = False
+    ) -> None:
+        self.root, self.save_contents = Path(output_dir) / CHECKPOINT_DIR, set(save_contents)
+        self.async_save, self._writer = async_save, None  # type: threading.Thread | None
+        self._error: BaseException | None = None
 
     def save(self, step: int, learner: Any, extra: dict[str, Any], tokenizer: Any = None) -> Path:
         """Write step `step` atomically (temp dir, synced → rename), then point `latest` at it."""
-        final = self.root / f"step_{step}"
-        tmp = self.root / f".tmp_step_{step}"
+        self.wait()  # the previous save is complete (or its error raised) before this starts
+        final, tmp = self.root / f"step_{step}", self.root / f".tmp_step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        write = self._snapshot(tmp, step, learner, extra, tokenizer)
+        if not self.async_save:
+            write()
+            self._publish(tmp, final)
+            return final
+        self._writer = threading.Thread(
+            target=self._background, args=(write, tmp, final), name="asyncrl-ckpt", daemon=True
+        )
+        self._writer.start()
+        return final
+
+    def wait(self) -> None:
+        """Wait for a background save; its failure raises here as one CheckpointSaveError."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointSaveError(f"checkpoint save failed: {_why(error)}") from error
+
+    def _background(self, write: Callable[[], None], tmp: Path, final: Path) -> None:
+        try:  # a failure leaves the temp dir, never a step dir: the previous checkpoint holds
+            write()
+            self._publish(tmp, final)
+        except BaseException as e:  # noqa: BLE001 - kept for the loop thread (`wait`)
+            self._error = e
+
+    def _snapshot(
+        self, tmp: Path, step: int, learner: Any, extra: dict[str, Any], tokenizer: Any
+    ) -> Callable[[], None]:
+        """Take everything the checkpoint holds now; returns the call that writes it to `tmp`.
+        Sharded learners write their shards into `tmp/learner/` by DCP, every rank its own."""
         state = learner.state_dict()
-        if "optimizer" not in self.save_contents:
+        with_optimizer = "optimizer" in self.save_contents
+        if not with_optimizer:
             drop_optimizer(state)
-        torch.save(state, tmp / LEARNER_FILE)
+        if self.async_save:
+            state = _cpu_copy(state)
+        shards = None
+        if state.get("model") == SHARDED:
+            shards = learner.save_sharded(tmp / SHARDED_DIR, self.async_save, with_optimizer)
+        hf = None
         if self.save_contents & {"hf_model", "model"}:
-            learner.save_pretrained(tmp / "hf")
+            snapshot = getattr(learner, "pretrained_snapshot", None) if self.async_save else None
+            hf = snapshot() if snapshot is not None else None
+            if hf is None:  # exported now (a learner that cannot snapshot it, or a sync save)
+                learner.save_pretrained(tmp / "hf")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "hf")
+        packed = None
         if "extra" in self.save_contents:
-            dump_msgpack({**extra, "step": step, "rng": rng_state()}, tmp / EXTRA_FILE)
+            packed = msgpack.packb(_pack({**extra, "step": step, "rng": rng_state()}),
+                                   use_bin_type=True)  # fmt: skip
         meta = {"step": step, "version": int(state.get("version", 0))}
-        (tmp / META_FILE).write_text(json.dumps({**meta, "contents": sorted(self.save_contents)}))
+
+        def write() -> None:
+            save_learner_file(state, tmp / LEARNER_FILE)
+            if hf is not None:
+                hf(tmp / "hf")
+            if packed is not None:
+                (tmp / EXTRA_FILE).write_bytes(packed)
+            if shards is not None:
+                shards()  # every rank's shards are written
+            contents = sorted(self.save_contents)
+            (tmp / META_FILE).write_text(json.dumps({**meta, "contents": contents}))
+
+        return write
+
+    def _publish(self, tmp: Path, final: Path) -> None:
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync(self.root)
         self.mark_latest(final.name)
-        return final
 
     def mark_latest(self, name: str) -> None:
         """Point `latest` at checkpoint `name` (atomically: a reader sees the old or new name)."""
@@ -288,6 +374,10 @@ class Checkpointer:
             raise IncompleteCheckpoint(f"{LEARNER_FILE} does not load ({_why(e)})") from None
         if not isinstance(state, dict):
             raise IncompleteCheckpoint(f"{LEARNER_FILE} holds {type(state).__name__}, not a state")
+        if state.get("model") == SHARDED:  # DCP writes .metadata last, once every rank wrote
+            if not (path / SHARDED_DIR / ".metadata").is_file():
+                raise IncompleteCheckpoint(f"{SHARDED_DIR}/ has no .metadata (a torn save)")
+            state["sharded_dir"] = str(path / SHARDED_DIR)
         version = int(state["version"]) if "version" in state else None
         # without meta.json (older saves) an absent extra.msgpack means it was not saved
         saved_extra = "extra" in meta["contents"] if meta else (path / EXTRA_FILE).exists()

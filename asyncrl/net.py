@@ -1,4 +1,5 @@
-"""What every layer may use: free loopback ports, the Ray connection, the control event loop.
+"""What every layer may use: free ports, this node's addresses (Ray's node IP, what a bind
+address is advertised as), the Ray connection, the control event loop.
 
 Kept apart (and tiny) so that the learner, the engines and the rollout workers need not import
 one another for a port or for `ray.init`.
@@ -7,6 +8,7 @@ one another for a port or for `ray.init`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -21,8 +23,9 @@ log = logging.getLogger(__name__)
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
 
 
@@ -37,14 +40,58 @@ RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
 
-def init_ray() -> None:
-    """Attach to the Ray cluster named by `RAY_ADDRESS`, or start Ray locally listening on
+#: Bind addresses that mean "every interface": a server bound to one is reached through the
+#: node's own address, never through this one.
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]", "")
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback literal (127.0.0.0/8, ::1); a host name counts as routable."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def node_ip() -> str:
+    """This node's routable address as Ray knows it (`ray.util.get_node_ip_address()`: on a Ray
+    worker, the address of the node the worker runs on). Ray is imported only here."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers use to reach a server bound to `bind_host`: the node's address (from
+    Ray) for a wildcard bind, else `bind_host` itself (loopback stays loopback)."""
+    return node_ip() if bind_host in WILDCARD_HOSTS else bind_host
+
+
+def route_ip(peer: str) -> str:
+    """This host's address on the route to `peer` (the interface the kernel would send from):
+    a UDP socket's connect picks it without sending anything."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer.strip("[]"), 9))
+        return s.getsockname()[0]
+
+
+def url_host(host: str) -> str:
+    """`host` as it goes into a URL or a tcp:// endpoint (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def init_ray(address: str | None = None) -> None:
+    """Attach to the Ray cluster at `address` (e.g. "auto": the cluster `ray start` made on this
+    node; `cluster.address`) or named by `RAY_ADDRESS`, or else start Ray locally listening on
     127.0.0.1 only (a local run needs no other interface); idempotent.
 
     Loopback keeps other machines out, not other local processes: those meet Ray's token
     (`~/.ray/auth_token`, required by default for a local cluster since Ray 2.52; older Ray
     has none). A warning says so if Ray's node still ends up on another address."""
-    address = os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         os.environ.setdefault(RAY_CLUSTER_SWITCH, "0")  # inherited by Ray's processes
     import ray
@@ -52,6 +99,7 @@ def init_ray() -> None:
     if ray.is_initialized():
         return
     if address:
+        _ray_cluster_mode()
         ray.init(address=address, log_to_driver=True)
         return
     _ray_loopback()
@@ -62,12 +110,30 @@ def init_ray() -> None:
     # Rollout workers take no CPU reservation: they are I/O-bound clients of the engines,
     # and a 2-core laptop must still fit several of them.
     cpus = max(2, os.cpu_count() or 2)
+    # address="local": always a fresh Ray of this run's own. Without it Ray joins whatever
+    # cluster /tmp/ray/ray_current_cluster names (another run's, a `ray start` on the box)
+    # and refuses num_cpus there; a multi-node run names its cluster in `cluster.address`.
     ray.init(
-        include_dashboard=False, num_cpus=cpus, log_to_driver=True, _node_ip_address="127.0.0.1"
+        address="local",
+        include_dashboard=False,
+        num_cpus=cpus,
+        log_to_driver=True,
+        _node_ip_address="127.0.0.1",
     )
     node_ip = ray.util.get_node_ip_address()
     if node_ip != "127.0.0.1":
         log.warning("Ray's local node is on %s: its servers listen beyond loopback", node_ip)
+
+
+def _ray_cluster_mode() -> None:
+    """Joining a cluster: Ray must find this node's routable address (the one its raylet
+    registered), so a loopback-only switch left by an earlier local start in this process is
+    undone (Ray reads it on import, and from its constant afterwards)."""
+    if os.environ.get(RAY_CLUSTER_SWITCH) == "0":
+        del os.environ[RAY_CLUSTER_SWITCH]
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = True
 
 
 def _ray_loopback() -> None:

@@ -20,6 +20,7 @@ from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
 from asyncrl.data.prompts import PromptSource
 from asyncrl.learner.base import Learner, make_learner
+from asyncrl.learner.profiler import profile_step
 from asyncrl.metrics import MetricsLogger
 from asyncrl.metrics.batch import BatchMetrics, TrainedGroupLog
 from asyncrl.metrics.collapse import CollapseWatch
@@ -39,7 +40,7 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
     `output_dir/.overwritten-<time>/`; `actor.checkpoint.resume` continues it instead."""
     check_machine(cfg)  # a backend this machine cannot run: one line, before anything starts
     out = Path(cfg.output_dir)
-    ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents)
+    ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents, cfg.actor.checkpoint.async_save)
     found = claim_output_dir(out, ckpt, cfg.actor.checkpoint, overwrite)  # before any start
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(cfg.actor_train.model_args)
@@ -69,7 +70,8 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
             waited = time.perf_counter()
             groups = rollout.take_batch(cfg.rollout_batch_size, learner.version)
             idle = time.perf_counter() - waited
-            metrics = learner.step(groups)  # evaluations in flight run on meanwhile
+            with profile_step(cfg.actor.profiler, out, step + 1):  # actor.profiler's steps
+                metrics = learner.step(groups)  # evaluations in flight run on meanwhile
             step += 1
             audit.append(step, groups)
             if sync_due(cfg, learner.version, step) or evaluator.due(step):
@@ -90,6 +92,7 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
                 state = {"prompts": prompts.state_dict(), **rollout.state_dict()}
                 ckpt.save(step, learner, {**state, "version": learner.version}, prompts.tokenizer)
         land(rows, evaluator, drain=True)  # the last evaluation lands before the summary
+        ckpt.wait()  # an async save finishes (or raises) before the learner closes
     return logger.close()
 
 
@@ -128,10 +131,11 @@ def start_rollout(
 ) -> tuple[Orchestrator, Evaluator]:
     """Every thread and process of the rollout side, in start order; `stack` stops them in
     reverse (a stop that fails is reported and the others still run)."""
+    import dataclasses
     import secrets
 
     from asyncrl.engine.fleet import EngineFleet
-    from asyncrl.net import AsyncRunner
+    from asyncrl.net import AsyncRunner, advertised_host
     from asyncrl.orchestrator import GroupLimits, GroupPump, model_vocab_size
     from asyncrl.rollout.dispatch import Dispatcher
     from asyncrl.rollout.ray_pool import RayWorkerPool
@@ -154,17 +158,24 @@ def start_rollout(
         seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
         api_key=engine_api_key,
         eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,
+        cluster=cfg.cluster,  # multi-node: engines are Ray actors placed on the nodes
     )  # fmt: skip
     _stop_later(stack, fleet.stop)
     fleet.start(learner)  # processes: engine servers (+ router); weights of the learner's version
 
     def settings(index: int) -> RolloutSettings:
         urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
-        return rollout_settings(
+        made = rollout_settings(
             cfg, model_dir, urls, receiver.port, transport_secret, fleet.api_key
         )
+        if fleet.multinode:  # workers on other nodes reach the receiver at this node's address
+            made = dataclasses.replace(made, transport_host=advertised_host(ro.transport_host))
+        return made
 
-    pool = RayWorkerPool(settings, ro.num_actors)  # processes: Ray actors, the rollout workers
+    # processes: Ray actors, the rollout workers (multi-node: each beside its first engine)
+    pool = RayWorkerPool(
+        settings, ro.num_actors, fleet.worker_options, cfg.cluster.address.strip() or None
+    )
     _stop_later(stack, pool.close)
     dispatcher = Dispatcher(pool, queue, prompts.next_item, ro.max_inflight_prompts)
     _stop_later(stack, dispatcher.start().stop)  # thread: prompts → rollout workers
@@ -172,7 +183,12 @@ def start_rollout(
     pump = GroupPump(receiver, queue, limits)
     _stop_later(stack, pump.__enter__().__exit__)  # thread: receiver → replay queue
     _stop_later(stack, queue.close)  # first to run at exit: wakes a blocked take
-    heldout = prompts.heldout_items(cfg.logging.eval_size)
+    if cfg.env is None:
+        heldout = prompts.heldout_items(cfg.logging.eval_size)
+    else:  # held-out env seeds, disjoint from the training ones; played as episodes
+        from asyncrl.rollout.evaluation import heldout_seed_items
+
+        heldout = heldout_seed_items(cfg.env, cfg.logging.eval_size)
     evaluator = Evaluator(cfg.logging, cfg.max_steps, heldout, settings(0), fleet)
     return Orchestrator(ro, fleet, dispatcher, pump, queue, learner), evaluator
 

@@ -3,7 +3,7 @@
 Real: the `ReplayQueue` (admission with the in-flight ledger, staleness eviction), the
 `Dispatcher` (per-actor in-flight slots, re-issues), the codec and the ZMQ transport (one `Sender` per actor,
 one `Receiver`, a pump into the queue, as `run.py` starts them). Simulated: engines and
-learner. Each of 8 ... 256 actors (asyncio tasks, no Ray) generates up to `--inflight` prompts
+learner. Each of 8 ... 1,024 actors (asyncio tasks, no Ray) generates up to `--inflight` prompts
 at a time; a group of n responses takes ttft + max(response length) x tpot, lengths drawn from
 a long-tailed log-normal; the finished group (real arrays, tagged with the policy version
 current when it started) is encoded and sent over ZMQ. The learner takes a batch, "trains" for
@@ -14,14 +14,14 @@ load; it must still keep up.
 Reported per actor count: learner utilisation (busy / wall after warm-up), groups evicted as
 too stale, and the orchestration CPU per trajectory (this process's CPU time per delivered
 response: dispatch, simulated actors, encode, send, receive, decode, queue; nothing else runs
-here). Targets at 256 actors: utilisation >= 95 %, orchestration < 1 ms per trajectory.
+here). Targets at the largest count (1,024): utilisation >= 95 %, orchestration < 1 ms per trajectory.
 
 Default calibration (a 7B-class model): SGLang decode 25 ms/token per sequence, 0.2 s to first
 token; responses log-normal with median 1k tokens, sigma 0.7, at most 4k; a learner at 16k
 tokens/s and a 2 s weight sync (a step of 64 prompts x 8 responses takes ~45 s, so the
 slowest group, ~100 s, fits in the staleness window of max_staleness 4 steps).
 
-    asyncrl bench simulate [--smoke] [--actors 8,16,32,64,128,256] [--speedup 100]
+    asyncrl bench simulate [--smoke] [--actors 8,32,128,256,512,1024] [--speedup 100]
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ class SimPool:
         self._tokens = rng.integers(0, 150_000, POOL, dtype=np.int32)
         self._logprobs = -rng.exponential(1.0, POOL).astype(np.float32)
         self._ctx = zmq.Context()
+        # Real actors each own a process and a context; here one context holds every actor's
+        # socket, past ZMQ's default cap of 1023 sockets per context.
+        self._ctx.set(zmq.MAX_SOCKETS, actors + 64)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="sim")
         self.thread.start()
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-wall-s", type=float, default=None, help="per actor count")
     args = parser.parse_args(argv)
-    counts = [int(v) for v in (args.actors or ("8,32" if args.smoke else "8,16,32,64,128,256")).split(",")]  # fmt: skip
+    counts = [int(v) for v in (args.actors or ("8,32" if args.smoke else "8,32,128,256,512,1024")).split(",")]  # fmt: skip
     cal = Calibration()
     work = Workload(batch=16, steps=8, warmup=3, max_wall_s=4.0) if args.smoke else Workload()
     work.speedup = args.speedup or work.speedup

@@ -1,4 +1,4 @@
-"""Data-parallel torch learner (DDP over gloo, ranks as Ray actors) equals one process."""
+"""The sharded torch learner (FSDP2 over gloo, ranks as Ray actors) equals one process."""
 
 from __future__ import annotations
 
@@ -34,9 +34,13 @@ def test_two_ranks_with_a_reference_model_match_one_process(tiny_model, tmp_path
 
 
 def _two_ranks_match_one_process(model_dir, extra: list[str]) -> dict[str, float]:
-    """Two steps of one process and of two DDP ranks on the same batches: equal losses (and
+    """Two steps of one process and of two FSDP2 ranks on the same batches: equal losses (and
     KL) and weights. Returns the two-rank learner's last metrics."""
     single = _learner(model_dir, *extra)
+    # The one-process steps go first: a world-1 learner next to a live default process group
+    # would still take part in the logprob passes' collectives.
+    batches = [_groups(seed=seed) for seed in (0, 1)]
+    expected = [single.step(groups) for groups in batches]
     kwargs = {
         "model_path": model_dir, "train": single.train, "actor": single.actor,
         "algorithm": single.algorithm, "temperature": 0.7, "total_steps": 10,
@@ -44,16 +48,16 @@ def _two_ranks_match_one_process(model_dir, extra: list[str]) -> dict[str, float
     }  # fmt: skip
     dist = DistributedTorchLearner(2, **kwargs)
     try:
-        for seed in (0, 1):
-            groups = _groups(seed=seed)
-            m_single = single.step(groups)
+        for groups, m_single in zip(batches, expected, strict=True):
             m_dist = dist.step(groups)
             assert m_dist["learner/world_size"] == 2.0
             assert m_dist["actor/pg_loss"] == pytest.approx(m_single["actor/pg_loss"], abs=1e-5)
             if "actor/kl_loss" in m_single:
                 assert m_dist["actor/kl_loss"] == pytest.approx(m_single["actor/kl_loss"], abs=1e-5)
-        ref = dict(single.model.named_parameters())
-        for name, p in dist.local.model.named_parameters():
+        ref = single.model.state_dict()
+        gathered = dict(dist.weights_for_sync())  # full tensors, gathered from the shards
+        assert gathered.keys() == ref.keys()
+        for name, p in gathered.items():
             torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=1e-4, msg=name)
         assert dist.version == 2
     finally:

@@ -20,7 +20,12 @@ SHORT = [p for p in recipe_configs(None) if "short" in read_claims(p)]
 
 
 def test_every_recipe_with_a_claim_has_a_short_one_and_parses():
-    assert {p.stem for p in SHORT} >= {"default", "ppo_gae"}
+    assert {p.stem for p in SHORT} >= {
+        "default",
+        "ppo_gae",
+        "agentic_guess_number",
+        "agentic_math_tool",
+    }
     for path in recipe_configs(None):
         claims = read_claims(path)
         assert set(claims) == {"full", "short"}, path.name

@@ -47,7 +47,9 @@ async def versions_through(router: str, n: int) -> set[str]:
     async with EngineClient(router, timeout=30) as client:
         for _ in range(n):
             try:
-                c = await client.generate_one(GenerateRequest([3, 4], {"max_new_tokens": 2}))
+                c = await client.generate_one(
+                    GenerateRequest([3, 4], {"max_new_tokens": 2, "ignore_eos": True})
+                )
             except EngineError:  # a worker being relaunched
                 continue
             assert len(c.output_logprobs) == len(c.output_ids) == 2

@@ -101,6 +101,7 @@ def check_parallel_sizes(cfg: Config) -> None:
     """Megatron's model-parallel sizes (TP, PP, VPP, CP) a run can honour. The learner checks
     the rest of strategy_config, and what needs the model's config.json (layers per virtual
     stage), when it is built (`asyncrl.learner.megatron.args`)."""
+    check_fsdp2(cfg)  # fsdp2_train's own strategy_config keys and what its sharding lacks
     train = cfg.actor_train
     sc, name = train.strategy_args.strategy_config, train.strategy_args.strategy_name
     where = "actor_train.strategy_args.strategy_config"
@@ -125,6 +126,34 @@ def check_parallel_sizes(cfg: Config) -> None:
         raise ConfigError(
             f"actor_train.device_mapping has {world} device(s), not a multiple of tensor x "
             f"pipeline x context parallel sizes ({tp} x {pp} x {cp})"
+        )
+
+
+FSDP_OFFLOAD = ("offload_params", "offload_optimizer")
+
+
+def check_fsdp2(cfg: Config) -> None:
+    """fsdp2_train with > 1 device shards with FSDP2 (asyncrl.learner.torch.fsdp). Its CPU
+    offload keys (FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state
+    together) are refused: a run's fsdp2_train learner computes on the CPU, where everything is
+    in host memory already, so they would change nothing. LoRA has no sharded form yet."""
+    train = cfg.actor_train
+    if train.strategy_args.strategy_name != "fsdp2_train":
+        return
+    where = "actor_train.strategy_args.strategy_config"
+    for key in FSDP_OFFLOAD:
+        value = train.strategy_args.strategy_config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
+        if value:
+            raise ConfigError(
+                f"{where}.{key}: the fsdp2_train learner computes on the CPU, where parameters "
+                "and optimizer state are in host memory already (nothing to offload): remove it"
+            )
+    if train.model_args.lora_rank > 0 and len(train.device_mapping) > 1:
+        raise ConfigError(
+            "actor_train.model_args.lora_rank: LoRA with more than one actor_train device is "
+            "not available yet (the FSDP2-sharded learner has no adapter gather): use one device"
         )
 
 
@@ -174,4 +203,17 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(
             f"weight_sync.lora_sync: adapter needs hf_infer engines; with {infer} use merge "
             "(or auto), which syncs full weights with the adapter merged in"
+        )
+
+
+def check_packing(cfg: Config) -> None:
+    """verl's `use_dynamic_bsz`: sequence packing under `ppo_max_token_len_per_gpu` real tokens
+    per micro-batch; the fsdp2_train learner packs (asyncrl.learner.packing), Megatron not yet."""
+    actor = cfg.actor
+    positive("actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
+    name = cfg.actor_train.strategy_args.strategy_name
+    if actor.use_dynamic_bsz and name != "fsdp2_train":
+        raise ConfigError(
+            f"actor.use_dynamic_bsz: sequence packing is not available with {name} yet "
+            "(the fsdp2_train learner packs; Megatron's THD format is not wired): set it false"
         )

@@ -20,6 +20,7 @@ import yaml
 
 from asyncrl.config.schema import FIELD_ALIASES, Config, ConfigError
 from asyncrl.config.validate import MAX_DEVICES, validate
+from asyncrl.config.verl_actor import fold_actor, prepare_actor
 
 # Keys that existed in verl/asyncrl once and were removed: path suffix -> migration hint.
 REMOVED_KEYS: dict[str, str] = {
@@ -79,7 +80,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(raw, item)
     _reject_removed_keys(raw, "")
-    cfg = build(Config, raw, "", Config())
+    prepare_actor(raw)  # verl's interpolations, `???` and keys asyncrl has no use for
+    cfg = fold_actor(build(Config, raw, "", Config()), raw)  # verl's keys meet their ROLL twins
     validate(cfg)
     return cfg
 

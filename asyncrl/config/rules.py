@@ -61,6 +61,9 @@ REPLACED_STRATEGIES = {
     "deepspeed_infer": "fsdp2_train or megatron_infer",
     "vllm": "sglang (or hf_infer on a CPU box)",
 }
+# actor_train strategies whose learner calls `asyncrl.learner.compile.maybe_compile` on its
+# model: `actor.use_torch_compile: true` is refused for any other (never accepted unread).
+TORCH_COMPILE_STRATEGIES: tuple[str, ...] = ("fsdp2_train",)
 
 
 def positive(path: str, value: float, allow_zero: bool = False) -> None:

@@ -53,19 +53,26 @@ class ModelArgs:
 class TrainingArgs:
     learning_rate: float = 5.0e-5
     """Peak learning rate (> 0). The default suits the embedded tiny model; billion-parameter models
-    want about 1e-6 (every shipped recipe sets its own)."""
+    want about 1e-6 (every shipped recipe sets its own). verl's `actor.optim.lr` sets the same
+    value (actor_train): the one given wins; both given and different is a config error."""
     weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay."""
+    """Decoupled (AdamW) weight decay (verl: `actor.optim.weight_decay`, same rule as
+    learning_rate)."""
     per_device_train_batch_size: int = 16
-    """Sequences per device per micro-batch (large models on GPUs: 1-4)."""
+    """Sequences per device per micro-batch (large models on GPUs: 1-4). verl's
+    `actor.ppo_micro_batch_size_per_gpu` sets the same value (actor_train; same rule as
+    learning_rate)."""
     gradient_accumulation_steps: int | None = None
     """Micro-batches per optimizer step; null derives the value giving one step per rollout."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up, in optimizer steps."""
+    """Linear learning-rate warm-up, in optimizer steps. verl's `actor.optim.lr_warmup_steps`
+    (or `lr_warmup_steps_ratio` × total steps) sets the same value (actor_train; same rule as
+    learning_rate)."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    """Schedule after warm-up."""
+    """Schedule after warm-up (verl: `actor.optim.lr_scheduler_type`, same rule)."""
     max_grad_norm: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping."""
+    """Global gradient-norm clip; 0 disables clipping (verl: `actor.optim.clip_grad`, same
+    rule)."""
 
 
 @dataclass
@@ -242,18 +249,77 @@ class CheckpointConfig:
     and named) | a checkpoint directory, which must exist when the config loads: a mistyped path
     fails validation instead of surfacing after the model is built. Resuming rolls the run's
     logs back to the checkpoint's step (what is cut goes to output_dir/.rolled-back-<time>/)."""
+    async_save: bool = False
+    """verl's key: write each checkpoint in a background thread from a snapshot taken at the
+    save (tensors copied to CPU memory: up to the model + optimizer size more host memory), so
+    the loop trains on meanwhile. One save at a time; the run waits for the last before it
+    exits; a failed write raises at the next save or the end, leaving the previous checkpoint."""
 
 
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer (learning rate and weight decay live in training_args)."""
+    """Optimizer (learning rate and weight decay: training_args, or verl's keys below)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam betas."""
     eps: float = 1.0e-8
     """Adam epsilon."""
     min_lr_ratio: float = 0.0
     """Floor of the decaying schedules, as a fraction of the peak."""
+    lr: float | None = None
+    """verl's peak learning rate of the actor: the same value as
+    `actor_train.training_args.learning_rate`. The rule for every verl key here and its ROLL
+    twin: neither given, ROLL's default; one given, it wins; both given with different values,
+    a config error naming both (never a silent pick). null: not given."""
+    weight_decay: float | None = None
+    """verl's weight decay: `actor_train.training_args.weight_decay` (same rule); null: not
+    given."""
+    lr_warmup_steps: int | None = None
+    """verl's warm-up in optimizer steps: `actor_train.training_args.warmup_steps` (same rule).
+    null, 0 or negative: not given (verl then reads lr_warmup_steps_ratio)."""
+    lr_warmup_steps_ratio: float | None = None
+    """verl's warm-up as a fraction of total_training_steps, in [0, 1], read when
+    lr_warmup_steps is not given: warmup_steps = int(ratio × total). null or 0: not given."""
+    total_training_steps: int | None = None
+    """verl's schedule horizon (the optimizer steps the decay spans; the actor's and the
+    critic's schedules). null, 0 or negative: the run's optimizer steps (max_steps × optimizer
+    steps per rollout), as verl fills it in at runtime."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] | None = None
+    """verl's schedule after warm-up: `actor_train.training_args.lr_scheduler_type` (same
+    rule); null: not given."""
+    warmup_style: Literal["constant", "linear", "cosine"] | None = None
+    """verl's deprecated name of lr_scheduler_type (one warning line; setting both is an
+    error)."""
+    clip_grad: float | None = None
+    """verl's gradient-norm clip: `actor_train.training_args.max_grad_norm` (same rule); null:
+    not given."""
+    num_cycles: float | None = None
+    """verl's cosine cycles: asyncrl's cosine decays over half a cycle (peak to floor), so only
+    null or 0.5 is accepted."""
+
+
+@dataclass
+class ProfilerConfig:
+    tool: Literal["torch", "nsys", "npu", "torch_memory"] | None = None
+    """verl's profiler tool. torch: a torch.profiler trace of each chosen learner step, written
+    as a Chrome trace (`step_<n>.json`, opens in Perfetto or TensorBoard). nsys, npu and
+    torch_memory are refused (asyncrl does not drive them). null: no profiling."""
+    enable: bool = False
+    """Profile the actor's learner steps (verl: profile the actor role); needs tool and steps."""
+    steps: list[int] = field(default_factory=list)
+    """Learner steps to trace (1-based, as the metrics' `step`), e.g. [2]; required when
+    enabled (verl keeps this list in global_profiler.steps)."""
+    all_ranks: bool = False
+    """verl: profile every rank. asyncrl traces the learner in the driver process (one rank):
+    learners in Ray actors (more than one actor_train device, megatron_train) are refused."""
+    ranks: list[int] = field(default_factory=list)
+    """verl: the ranks profiled; [] or [0] (the driver's learner is rank 0)."""
+    save_path: str | None = None
+    """Directory of the traces; null: output_dir/profile."""
+    tool_config: dict[str, Any] = field(default_factory=dict)
+    """verl's per-tool settings. Only `torch.step_start`/`step_end` (mini-batches inside a
+    step) would change a torch trace: values other than 0/null are refused (asyncrl traces
+    whole steps); the other tools' blocks change nothing here."""
 
 
 @dataclass
@@ -283,12 +349,34 @@ class ActorConfig:
     """Passes over each rollout batch."""
     ppo_mini_batch_size: int | None = None
     """Sequences per optimizer step within an epoch; null: the whole rollout batch."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """verl's sequences per micro-batch per device: the same value as
+    `actor_train.training_args.per_device_train_batch_size` (one given wins; both given and
+    different is an error). null: not given."""
+    ppo_micro_batch_size: int | None = None
+    """verl's deprecated global micro-batch size: divided by the data-parallel size into
+    ppo_micro_batch_size_per_gpu (must divide evenly; one deprecation line; setting both is an
+    error). null: not given."""
+    use_torch_compile: bool = False
+    """verl's torch.compile of the actor's forward (fsdp2_train; falls back to eager with one
+    logged reason where torch cannot compile). Off by default, unlike verl: batch widths vary
+    every step, and compiling costs more than a short CPU run gains."""
+    use_dynamic_bsz: bool = False
+    """verl's dynamic batch size: the learner drops padding and packs each rank's sequences
+    into micro-batches of at most `ppo_max_token_len_per_gpu` real tokens (balanced across
+    data-parallel ranks) instead of fixed micro-batches of padded rows. Same loss and gradients
+    as the padded path (the loss normalisation does not depend on the packing)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one packed micro-batch per device with `use_dynamic_bsz` (> 0); a
+    sequence longer than the budget gets a micro-batch of its own."""
     shuffle: bool = False
     """Shuffle sequences across mini-batches each epoch."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint contents and cadence."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer kind and its hyper-parameters."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """verl's actor profiler: a torch profiler trace of chosen learner steps."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,9 +482,12 @@ class LoggingConfig:
     wandb_project: str | None = None
     """W&B project; null disables W&B."""
     eval_interval: int = 5
-    """Held-out evaluation every N steps (and at start and end); 0 disables it."""
+    """Held-out evaluation every N steps (and at start and end); 0 disables it. Env runs:
+    held-out episodes, greedy and sampled (`eval/greedy/*`, `eval/sampled/*`)."""
     eval_size: int = 500
-    """Held-out prompts per evaluation (500: a 2-point standard error around 50 %)."""
+    """Held-out prompts per evaluation (500: a 2-point standard error around 50 %). Env runs:
+    held-out env seeds (disjoint from the training seeds, the same at every evaluation), each
+    played twice (greedy and sampled): 2 * eval_size episodes per evaluation."""
     eval_priority: int = -1
     """SGLang `priority` of the evaluation's /generate requests (a signed 64-bit int; rollout
     requests run at 0; a larger value is admitted first). -1: evaluation yields to rollout, so
@@ -405,6 +496,29 @@ class LoggingConfig:
     command (`engine/sglang.py`); 0 sends no priority at all."""
     plots: bool = True
     """Write PNG plots and a summary at the end."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the run's parts live: one host (the default) or a Ray cluster of several."""
+
+    address: str = ""
+    """Ray cluster to run on: "" starts Ray on this host (loopback) unless `RAY_ADDRESS` names
+    one; "auto" joins the cluster `ray start` made on this host; "IP:PORT" joins that head.
+    Set, the run is multi-node: engines are Ray actors in a placement group (one bundle per
+    engine), rollout workers are placed with them, and every address the run advertises is
+    its node's (from Ray); `bind_host` and `rollout.transport_host` must then be routable."""
+    bind_host: str = "127.0.0.1"
+    """Address the engine servers (and the sglang-router) bind on their nodes; each engine is
+    reached at its node's address. Multi-node: "0.0.0.0" (or ::). Off loopback every engine
+    call but /health* needs the run's API key, which asyncrl always sets for engines it
+    launches."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
+    """Ray placement-group strategy of the engines' bundles (SPREAD: over as many nodes as fit;
+    STRICT_SPREAD: one engine per node at most)."""
+    engine_bundle: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources of each engine's bundle (e.g. {"node_b": 1} to pin engines to nodes
+    started with that custom resource); besides GPU = tp size on GPU clusters, else CPU 1."""
 
 
 @dataclass
@@ -455,6 +569,8 @@ class Config:
     """What the user sees and where metrics go."""
     env: EnvConfig | None = None
     """Agentic multi-turn rollouts in an environment; null: single-turn prompts and a reward."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """One host or a multi-node Ray cluster: Ray address, engine bind address, placement."""
 
 
 #: Dataclass field names that differ from their YAML key (Python keywords).

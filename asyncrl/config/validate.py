@@ -13,10 +13,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.cluster_checks import check_cluster
 from asyncrl.config.learner_checks import (
     check_critic,
     check_kl_in_reward,
     check_lora,
+    check_packing,
     check_parallel_sizes,
     check_reference,
 )
@@ -48,12 +50,14 @@ from asyncrl.config.schema import (
     TrainingArgs,
     WorkerConfig,
 )
+from asyncrl.config.verl_actor import check_actor as check_verl_actor
 
 
 def validate(cfg: Config) -> None:
     _check_numbers(cfg, "")
     _check_sizes(cfg)
     _check_loop(cfg)
+    check_cluster(cfg)
     for role in ("actor_train", "actor_infer", "reference", "critic"):
         worker = getattr(cfg, role)
         if worker is not None:
@@ -63,10 +67,12 @@ def validate(cfg: Config) -> None:
     check_critic(cfg)
     check_kl_in_reward(cfg)
     _check_actor(cfg)
+    check_verl_actor(cfg)
     check_reference(cfg)
     check_parallel_sizes(cfg)
     _check_unread(cfg)
     check_lora(cfg)
+    check_packing(cfg)
     if cfg.env is not None:
         _check_env(cfg)
     _check_reward(cfg.rollout.reward_fn)

@@ -2,7 +2,9 @@
 
 `hf_infer` engines are asyncrl's own server processes (one per engine, loopback); `sglang`
 engines are SGLang servers (a router in front of several). Either way the fleet is driven
-through the same SGLang-protocol client. An engine that cannot generate is relaunched -- its
+through the same SGLang-protocol client. Multi-node (`cluster.address`), each engine is a Ray
+actor placed on a node that starts the same server there, reached at that node's address
+(`engine/placement.py`); the update group then meets on this driver node's address. An engine that cannot generate is relaunched -- its
 process died, or it is alive but failed `health_failures` health checks (/health_generate) in a
 row: a dead scheduler, a hung process -- then the update group is formed again with every
 engine, and the current weights are pushed before it serves again. The health checks run in
@@ -16,17 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.config.schema import WeightSyncConfig, WorkerConfig
+from asyncrl.config.schema import ClusterConfig, WeightSyncConfig, WorkerConfig
 from asyncrl.device import DeviceSpec, resolve_backend, torch_dtype
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.process import ServerHandle
-from asyncrl.net import AsyncRunner
+from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.weights.sync import WeightSender, WeightSource
 
 
@@ -57,22 +60,46 @@ def make_launcher(
     seed: int,
     api_key: str | None = None,
     eval_priority: int | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> EngineLauncher:
     """The launcher for `infer.strategy_args.strategy_name` (hf_infer | sglang).
     `eval_priority`: the evaluation requests' priority (None: no evaluation); SGLang needs its
-    priority scheduler switched on at launch when it differs from rollout's 0, ours does not."""
+    priority scheduler switched on at launch when it differs from rollout's 0, ours does not.
+    With `cluster.address` (multi-node) the engines are Ray actors placed on the cluster's
+    nodes, each running this same launcher on its node (`engine/placement.py`)."""
+    cluster = cluster or ClusterConfig()
+    args = (infer, model_dir, log_dir, seed, api_key, eval_priority, cluster.bind_host)
+    local = local_launcher(*args)
+    if not cluster.address.strip():
+        return local
+    from asyncrl.engine.placement import PlacedLauncher
+
+    return PlacedLauncher(local, functools.partial(local_launcher, *args), cluster)
+
+
+def local_launcher(
+    infer: WorkerConfig,
+    model_dir: Path,
+    log_dir: Path,
+    seed: int,
+    api_key: str | None,
+    eval_priority: int | None,
+    host: str,
+) -> EngineLauncher:
+    """The backend's own launcher: servers on this node, bound to `host`."""
     name = infer.strategy_args.strategy_name
     if name == "hf_infer":
         from asyncrl.engine.hf.launch import HFLauncher
 
-        return HFLauncher(infer, model_dir, log_dir, seed, api_key)
+        return HFLauncher(infer, model_dir, log_dir, seed, api_key, host=host)
     if name == "sglang":
         from asyncrl.device import detect_device
         from asyncrl.engine.sglang import SGLangLauncher
 
         return SGLangLauncher(
-            infer, model_dir, log_dir, seed, detect_device(), api_key, eval_priority=eval_priority
-        )
+            infer, model_dir, log_dir, seed, detect_device(), api_key,
+            eval_priority=eval_priority, host=host,
+        )  # fmt: skip
     raise ValueError(f"actor_infer.strategy_args.strategy_name {name!r}: expected hf_infer|sglang")
 
 
@@ -140,6 +167,7 @@ class EngineFleet:
         runner: AsyncRunner,
         api_key: str | None = None,
         eval_priority: int | None = None,
+        cluster: ClusterConfig | None = None,
         health_interval_s: float = 10.0,
         health_timeout_s: float = 30.0,
         health_failures: int = 2,
@@ -152,8 +180,9 @@ class EngineFleet:
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
         self.backend = "gloo"  # of the weight-update group; resolved by `_init_group`
+        self.multinode = cluster is not None and bool(cluster.address.strip())
         self.launcher = make_launcher(
-            infer, model_dir, output_dir / "engine_logs", seed, api_key, eval_priority
+            infer, model_dir, output_dir / "engine_logs", seed, api_key, eval_priority, cluster
         )
         self.api_key = self.launcher.api_key  # what rollout workers' clients must send
         self.num_engines = self.launcher.num_engines
@@ -177,11 +206,24 @@ class EngineFleet:
         ws = self.ws
         self.backend = resolve_backend(ws.backend, self.launcher.device)  # auto: nccl|hccl|gloo
         tp_sizes = [self.launcher.tp_size] * len(self.clients)  # engine i joins at 1 + i*tp
-        args = (self.clients, ws.master_address, ws.master_port or None, self.backend)
+        args = (self.clients, self.master_address(), ws.master_port or None, self.backend)
         self.runner.run(
             self.sender.init_group(*args, ws.timeout_s, tp_sizes=tp_sizes),
             timeout=ws.timeout_s + 30,
         )
+
+    def master_address(self) -> str:
+        """Where the update group meets: the learner's (this driver's) node. Multi-node, a
+        loopback `weight_sync.master_address` becomes the node's address from Ray: the
+        engines on other nodes must reach its TCPStore."""
+        address = self.ws.master_address
+        return node_ip() if self.multinode and is_loopback(address) else address
+
+    def worker_options(self, index: int) -> dict[str, Any]:
+        """Ray options of rollout worker `index`: multi-node, it runs beside its first engine
+        (in that engine's bundle, so workers spread over the engines' nodes); else none."""
+        options = getattr(self.launcher, "actor_options", None)
+        return options(index % self.num_engines) if options else {}
 
     def urls_for_worker(self, index: int) -> list[str]:
         """Every rollout worker may use every engine; workers start on different ones. With a

@@ -76,8 +76,14 @@ class ServerHandle:
 
     @property
     def owned(self) -> bool:
-        """Started by asyncrl (so it may be stopped and relaunched), not attached to."""
-        return isinstance(self.proc, subprocess.Popen)
+        """Started by asyncrl (so it may be stopped and relaunched), not attached to: a local
+        process, or one on another node that its Ray actor controls (`engine/placement.py`)."""
+        return isinstance(self.proc, subprocess.Popen) or getattr(self.proc, "owned", False)
+
+    @property
+    def remote(self) -> bool:
+        """Started by asyncrl on another node: stopped and killed through its actor."""
+        return self.owned and not isinstance(self.proc, subprocess.Popen)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -90,6 +96,9 @@ class ServerHandle:
         `timeout_s`; a server asyncrl did not start is left alone."""
         if not self.owned:
             return
+        if self.remote:
+            self.proc.stop(timeout_s)  # type: ignore[attr-defined]
+            return
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
@@ -101,6 +110,9 @@ class ServerHandle:
     def kill(self) -> None:
         """SIGKILL the server and anything left in its process group, and reap it."""
         if not self.owned:
+            return
+        if self.remote:
+            self.proc.kill()
             return
         self._signal_group(signal.SIGKILL)
         self.proc.wait()

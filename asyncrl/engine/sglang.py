@@ -12,9 +12,10 @@ attached to (and must run with tp size `num_gpus_per_worker`).
 - asyncrl's own (never passed to SGLang): `server_urls`, `router` (true | false | auto — auto:
   when there is more than one engine), `router_policy` (default cache_aware), `router_args`
   (a mapping, rendered like server flags), `launch_timeout_s` (default 900), `host` (default
-  127.0.0.1), `env` (extra environment variables for the server processes), `api_key` (the
-  engines' key, e.g. the one attached `server_urls` were started with; default: the run's own
-  per-run secret, see below).
+  `cluster.bind_host`, 127.0.0.1; a wildcard bind is reached at the node's address), `env`
+  (extra environment variables for the server processes), `api_key` (the engines' key, e.g.
+  the one attached `server_urls` were started with; default: the run's own per-run secret,
+  see below).
 - set by asyncrl and refused in strategy_config: `model_path`, `port`, `tp_size` (and its
   aliases `tp`, `tensor_parallel_size`; use num_gpus_per_worker).
 - renamed: `max_model_len` -> `--context-length` (ROLL's key for SGLang's flag).
@@ -60,7 +61,7 @@ from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import DeviceSpec
 from asyncrl.engine.process import EngineLaunchError, ServerHandle, popen
 from asyncrl.engine.versions import parse_version
-from asyncrl.net import free_port
+from asyncrl.net import advertised_host, free_port, url_host
 
 OWN_KEYS = ("server_urls", "router", "router_policy", "router_args", "launch_timeout_s", "host")
 OWN_KEYS += ("env", "api_key")
@@ -208,15 +209,16 @@ def router_command(
 ) -> list[str]:
     """`python -m sglang_router.launch_router --worker-urls ... --policy ...`.
 
-    Its Prometheus exporter binds `host` (loopback by default) on a free port unless
-    `router_args` say otherwise: sglang-router's default, 0.0.0.0:29000, exposes the metrics
-    and makes a second router on the host fail to start."""
+    Its Prometheus exporter binds loopback on a free port unless `router_args` say otherwise
+    (also when the router itself binds every interface, multi-node: the metrics are this
+    host's business): sglang-router's default, 0.0.0.0:29000, exposes the metrics and makes a
+    second router on the host fail to start."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
     args = dict(settings.router_args)
-    args.setdefault("prometheus_host", settings.host)
+    args.setdefault("prometheus_host", "127.0.0.1")
     if "prometheus_port" not in args:
-        args["prometheus_port"] = free_port(settings.host)
+        args["prometheus_port"] = free_port(str(args["prometheus_host"]))
     return cmd + to_flags(args) + (["--api-key", api_key] if api_key else [])
 
 
@@ -313,8 +315,11 @@ class SGLangLauncher:
         device: DeviceSpec,
         api_key: str | None = None,
         eval_priority: int | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         settings = SGLangSettings.parse(infer.strategy_args.strategy_config, infer.model_args.dtype)
+        if "host" not in infer.strategy_args.strategy_config:  # cluster.bind_host
+            settings = replace(settings, host=host)
         self.settings = with_priority(settings, eval_priority, installed_sglang())
         # Attached servers keep the key they were started with; launched ones get the run's.
         self.api_key = self.settings.api_key or api_key
@@ -338,7 +343,7 @@ class SGLangLauncher:
             api_key=self.api_key,
         )  # fmt: skip
         env = {**self.device.visibility(self.devices[index]), **self.settings.env}
-        url = f"http://{self.settings.host}:{port}"
+        url = f"http://{url_host(advertised_host(self.settings.host))}:{port}"
         handle = start_process(cmd, env, url, self.log_dir / f"sglang_{index}_{port}.log")
         return wait_healthy(handle, "/health_generate", timeout, f"sglang engine {index}")
 
@@ -355,7 +360,7 @@ class SGLangLauncher:
     def _start_router(self, worker_urls: list[str]) -> ServerHandle:
         port = free_port(self.settings.host)
         cmd = router_command(worker_urls, port, self.settings, self.api_key)
-        url = f"http://{self.settings.host}:{port}"
+        url = f"http://{url_host(advertised_host(self.settings.host))}:{port}"
         handle = start_process(cmd, self.settings.env, url, self.log_dir / "router.log")
         return wait_healthy(handle, "/health", self.settings.launch_timeout_s, "sglang router")
 

@@ -9,6 +9,13 @@ templates observation messages itself, so an environment never sees or produces 
 Invariants the rollout relies on: `reset(seed)` is deterministic in `seed` (the n episodes of a
 group share one initial prompt); an instance serves one episode at a time (the rollout builds
 one instance per episode); `info` holds plain values (str, int, float, bool).
+
+The `info` keys the rollout reads (`rollout/multiturn.py`, `Episode.record`): `solved` (True on
+the step that reaches the episode's goal: the env's own definition of success, which training
+metrics report as `env/solved_frac` and held-out evaluation as its success rate) and
+`invalid_action` (True on a turn the env could not parse as an action). Built-ins: guess_number
+and math_tool are solved by the right answer, sokoban when every box is on a target, frozenlake
+on reaching the goal, gym by `success_reward` or gymnasium's `is_success` (`gym_adapter.py`).
 """
 
 from __future__ import annotations

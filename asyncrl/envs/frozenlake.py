@@ -2,8 +2,9 @@
 
 Cells: `P` the player, `F` frozen, `H` hole, `G` goal (`S` the start once left). The model
 answers one of `left, down, right, up`; reward 1 on reaching the goal, episode over on a hole or
-the goal. With `random_map` every seed gets its own solvable map (gymnasium's generator, seeded),
-so seeds are distinct prompts; otherwise the fixed `map_name` map is used for every seed.
+the goal; success (`info["solved"]`, what held-out evaluation counts) is reaching the goal.
+With `random_map` every seed gets its own solvable map (gymnasium's generator, seeded), so seeds
+are distinct prompts; otherwise the fixed `map_name` map is used for every seed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class FrozenLakeEnv(GymTextEnv):
             render=render_grid,
             invalid_action_reward=invalid_action_reward,
             make_fn=self._make_lake,
+            success_reward=1.0,  # the lake pays 1 on the goal only: reaching it is success
         )
 
     def _make_lake(self, seed: int) -> Any:

@@ -7,6 +7,10 @@ given (a `package.module:function` path taking `(env, observation) -> str`). An 
 turn is answered with the list of valid actions and costs `invalid_action_reward`; it does not
 advance the gymnasium environment.
 
+Success (`info["solved"]`, what held-out evaluation counts): a step that terminates the episode
+(not a time-limit truncation) with a reward of at least `success_reward`; with `success_reward`
+null, gymnasium's own `info["is_success"]` where the environment reports one, else never.
+
 Config example: `env: {name: gym, config: {env_id: CliffWalking-v1, action_names: [up, right,
 down, left]}}`.
 """
@@ -63,6 +67,7 @@ class GymTextEnv:
         render: str | Callable[[Any, Any], str] | None = None,
         invalid_action_reward: float = 0.0,
         make_fn: Callable[[int], Any] | None = None,
+        success_reward: float | None = None,
     ) -> None:
         if not env_id and make_fn is None:
             raise EnvError("gym env needs config.env_id (a gymnasium id such as FrozenLake-v1)")
@@ -71,6 +76,7 @@ class GymTextEnv:
         self.instructions, self.invalid_action_reward = instructions, float(invalid_action_reward)
         self._renderer = _import_renderer(render) if isinstance(render, str) else render
         self._make_fn = make_fn or self._make
+        self.success_reward = None if success_reward is None else float(success_reward)
         self.env: Any = None
 
     def _make(self, seed: int) -> Any:
@@ -123,9 +129,16 @@ class GymTextEnv:
                 False,
                 {"invalid_action": True},
             )
-        obs, reward, terminated, truncated, _ = self.env.step(action)
+        obs, reward, terminated, truncated, info = self.env.step(action)
         done = bool(terminated or truncated)
-        return self.render(obs), float(reward), done, {"action": action}
+        solved = self._solved(bool(terminated), float(reward), info)
+        return self.render(obs), float(reward), done, {"action": action, "solved": solved}
+
+    def _solved(self, terminated: bool, reward: float, info: Any) -> bool:
+        """Whether this step reached the episode's goal (see the module docstring)."""
+        if self.success_reward is not None:
+            return terminated and reward >= self.success_reward
+        return isinstance(info, dict) and bool(info.get("is_success", False))
 
     def close(self) -> None:
         if self.env is not None:

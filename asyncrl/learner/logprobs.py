@@ -4,6 +4,9 @@ Layout (see `asyncrl.types.collate`): `input_ids = [left-padded prompt (P) | rig
 response (R)]`. The logit that predicts response token j sits at position P - 1 + j, so the
 response logits are the slice [P - 1, P + R - 1). SGLang's logprob is of `logits / T`, hence the
 division by the same temperature (T = 0 means greedy; the engine reports raw logits then).
+With `actor.use_dynamic_bsz` the same values come from packed forwards of the real tokens only
+(`asyncrl.learner.packing`), unpacked into this layout. With a process group of W > 1 ranks
+every function here runs the same number of forwards on every rank (FSDP2's are collectives).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo.kl import entropy_from_logits
+from asyncrl.config.schema import ActorConfig
+from asyncrl.learner import packing
 
 
 def response_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -31,17 +36,136 @@ def token_logprobs(
     tensors: dict[str, torch.Tensor],
     temperature: float,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(token | prefix) for every response token ([B, R]) and optionally the entropy."""
+    """log π(token | prefix) for every response token ([B, R]) and optionally the entropy;
+    `packed`: from one packed forward of the real tokens (`packed_token_logprobs`)."""
+    if packed:
+        return packed_token_logprobs(model, tensors, temperature, with_entropy)
     logits = response_logits(model, tensors)
     if temperature > 0:
         logits = logits / temperature
     targets = tensors["input_ids"][:, -logits.shape[1] :]
-    # log_softmax via logsumexp keeps one [B, R, V] temporary instead of two.
+    return _score(logits, targets, with_entropy)
+
+
+def _score(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits)[target] (and the entropy) over the last axis; logits already /T."""
+    # log_softmax via logsumexp keeps one [..., V] temporary instead of two.
     picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
     logprobs = picked - torch.logsumexp(logits, dim=-1)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logprobs, entropy
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` from one packed forward of the rows' real tokens (`packing.pack`): the
+    same [B, R] results (0.0 at padding), the same temperature rule, no padded token computed.
+    Only the logits that predict response tokens are projected (`logits_to_keep`)."""
+    packed = packing.pack(tensors)
+    keep = packed.logit_index
+    if keep.numel() == 0:  # no response token: one logit keeps the graph (and FSDP) connected
+        keep = torch.tensor([packed.input_ids.shape[1] - 1], device=keep.device)
+    out = model(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=None,  # boundaries come from position_ids (see `asyncrl.learner.packing`)
+        use_cache=False,
+        logits_to_keep=keep,
+    )
+    logits = out.logits[0].float()
+    if temperature > 0:
+        logits = logits / temperature
+    if packed.logit_index.numel() == 0:
+        anchor = logits.sum() * 0.0
+        zeros = torch.zeros(packed.shape, device=logits.device) + anchor
+        return zeros, (zeros.clone() if with_entropy else None)
+    logprobs, entropy = _score(logits, packed.targets, with_entropy)
+    entropy = packing.unpack(entropy, packed) if entropy is not None else None
+    return packing.unpack(logprobs, packed), entropy
+
+
+def pack_budget(actor: ActorConfig) -> int | None:
+    """Real tokens per packed forward with `actor.use_dynamic_bsz`; None: the padded path."""
+    return actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None
+
+
+def train_micro_batches(
+    attention_mask: torch.Tensor,
+    rows: torch.Tensor,
+    micro: int,
+    actor: ActorConfig,
+    across_ranks: bool = False,
+) -> list[torch.Tensor]:
+    """A mini-batch's `rows` as micro-batches: `micro` rows at a time, or with
+    `actor.use_dynamic_bsz` token-balanced ones under `ppo_max_token_len_per_gpu` real tokens
+    (`packing.micro_batches`: as many as on the rank with the most). Empty ones are left out:
+    the learner pads every rank to the same number of passes with zero-loss ones."""
+    budget = pack_budget(actor)
+    if budget is None:
+        return [rows[i : i + micro] for i in range(0, len(rows), micro)]
+    lengths = packing.real_lengths(attention_mask[rows])
+    parts = packing.micro_batches(lengths, budget, across_ranks)
+    return [rows[torch.tensor(p, dtype=torch.long)] for p in parts if p]
+
+
+def empty_forward(model: torch.nn.Module, device: torch.device | str) -> torch.Tensor:
+    """A one-token forward with nothing to learn from: what a data-parallel rank without rows
+    runs so that every rank runs the same number of forwards (FSDP2 forwards are
+    collectives). Returns a zero loss still attached to the graph (for a matching backward)."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    logits = model(input_ids=ids, use_cache=False).logits
+    return logits.float().sum() * 0.0
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` (or a module inside it: peft, the adapter-off view) is FSDP2-sharded:
+    then its every forward is a collective that all ranks must run together."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _forwards(model: torch.nn.Module, own: int) -> int:
+    """How many forwards this rank runs for its `own` ones: the most any rank runs when the
+    model is sharded, agreed BEFORE any forward (a rank's all-reduce must never meet another
+    rank's parameter gather); `own` otherwise."""
+    return packing.global_max(own, is_sharded(model))
+
+
+def _pad_forwards(model: torch.nn.Module, own: int, total: int, device: torch.device | str):
+    """The `total - own` empty forwards a rank with fewer rows runs (see `empty_forward`)."""
+    for _ in range(total - own):
+        empty_forward(model, device)
+
+
+@torch.no_grad()
+def packed_logprobs(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    temperature: float,
+    token_budget: int,
+) -> torch.Tensor:
+    """`token_logprobs` without gradients in packed forwards of at most `token_budget` real
+    tokens (`packing.micro_batches`: the same count on every data-parallel rank)."""
+    rows, resp_len = tensors["response_mask"].shape
+    device = tensors["input_ids"].device
+    out = torch.zeros(rows, resp_len, dtype=torch.float32, device=device)
+    lengths = packing.real_lengths(tensors["attention_mask"])
+    for part in packing.micro_batches(lengths, token_budget, is_sharded(model)):
+        if not part:
+            empty_forward(model, device)
+            continue
+        idx = torch.tensor(part, dtype=torch.long, device=device)
+        out[idx] = packed_token_logprobs(model, select_rows(tensors, idx), temperature)[0]
+    return out
 
 
 def select_rows(tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -55,13 +179,21 @@ def batched_logprobs(
     tensors: dict[str, torch.Tensor],
     temperature: float,
     batch_size: int,
+    pack_budget: int | None = None,
 ) -> torch.Tensor:
-    """`token_logprobs` without gradients, `batch_size` rows at a time (infer_batch_size)."""
-    rows = tensors["input_ids"].shape[0]
-    parts = []
+    """`token_logprobs` without gradients, `batch_size` rows at a time (infer_batch_size), or
+    packed under `pack_budget` real tokens per forward (`packed_logprobs`) when it is set.
+    Every data-parallel rank runs the same number of forwards."""
+    if pack_budget is not None:
+        return packed_logprobs(model, tensors, temperature, pack_budget)
+    rows, resp_len = tensors["response_mask"].shape
+    device = tensors["input_ids"].device
+    parts = [torch.zeros(0, resp_len, dtype=torch.float32, device=device)]
+    total = _forwards(model, -(-rows // batch_size))
     for start in range(0, rows, batch_size):
         idx = torch.arange(start, min(rows, start + batch_size))
         parts.append(token_logprobs(model, select_rows(tensors, idx), temperature)[0])
+    _pad_forwards(model, len(parts) - 1, total, device)
     return torch.cat(parts, dim=0)
 
 
@@ -120,16 +252,24 @@ def budget_logprobs(
     tensors: dict[str, torch.Tensor],
     temperature: float,
     token_budget: int,
+    pack_budget: int | None = None,
 ) -> torch.Tensor:
     """`token_logprobs` without gradients in forwards of at most `token_budget` padded tokens
-    (`budget_chunks`, each chunk `trimmed`). Positions a chunk cut off (padding after every
-    row's response) come back as 0.0: every consumer reads them under the response mask."""
+    (`budget_chunks`, each chunk `trimmed`), or packed under `pack_budget` real tokens when it is
+    set (`packed_logprobs`). Positions a chunk cut off (padding after every row's response)
+    come back as 0.0: every consumer reads them under the response mask. Every data-parallel
+    rank runs the same number of forwards."""
+    if pack_budget is not None:
+        return packed_logprobs(model, tensors, temperature, pack_budget)
     rows, resp_len = tensors["response_mask"].shape
     out = torch.zeros(rows, resp_len, dtype=torch.float32, device=tensors["input_ids"].device)
     prompt_len = tensors["input_ids"].shape[1] - resp_len
-    for idx in budget_chunks(tensors["attention_mask"], prompt_len, token_budget):
+    chunks = budget_chunks(tensors["attention_mask"], prompt_len, token_budget)
+    total = _forwards(model, len(chunks))
+    for idx in chunks:
         logp = token_logprobs(model, trimmed(tensors, idx.to(out.device)), temperature)[0]
         out[idx.to(out.device), : logp.shape[1]] = logp
+    _pad_forwards(model, len(chunks), total, out.device)
     return out
 
 

@@ -51,9 +51,13 @@ def loss_params(actor: ActorConfig) -> PolicyLossParams:
 
 
 def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the peak learning rate at optimizer step `step` (warm-up, then decay)."""
+    """Multiplier of the peak learning rate at optimizer step `step` (warm-up, then decay).
+    `targs` holds the effective values (the config loader folds verl's `actor.optim` keys into
+    actor_train.training_args); the horizon is verl's `optim.total_training_steps` when > 0,
+    else `total_steps` (the run's optimizer steps)."""
     floor, warmup, kind = optim.min_lr_ratio, targs.warmup_steps, targs.lr_scheduler_type
-    total = max(1, total_steps)
+    horizon = optim.total_training_steps
+    total = max(1, horizon if horizon is not None and horizon > 0 else total_steps)
 
     def factor(step: int) -> float:
         if warmup and step < warmup:
@@ -71,7 +75,9 @@ def lr_factor(targs: TrainingArgs, optim: OptimConfig, total_steps: int) -> Call
 def make_optimizer(
     params: list[torch.nn.Parameter], targs: TrainingArgs, optim: OptimConfig
 ) -> torch.optim.Optimizer:
-    """The torch optimizer `actor.optim` names over `params` (the trainable ones)."""
+    """The torch optimizer `actor.optim` names over `params` (the trainable ones). The learning
+    rate and weight decay come from `targs`, where the config loader has joined verl's
+    `actor.optim.lr`/`weight_decay` with ROLL's keys (one rule, `config/verl_actor.py`)."""
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=targs.learning_rate, weight_decay=targs.weight_decay)
     return torch.optim.AdamW(

@@ -22,8 +22,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.config.schema import WorkerConfig
+
+if TYPE_CHECKING:  # torch only for the annotation: validation imports this module
+    import torch
 
 
 class ReferenceConfigError(ValueError):
@@ -103,3 +107,11 @@ def check_same_vocab(actor_path: Path, reference_path: Path) -> None:
             f"the actor ({actor_path}) has {actor}: the reference must share the actor's "
             "tokenizer and vocabulary"
         )
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in eval mode with every parameter frozen (the KL reference never trains)."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

@@ -25,6 +25,12 @@ Cumulative counters (latest value counts, as `ReplayQueue.metrics()` reports the
 
 Evaluation (`eval/*`) runs off the training loop; it lands in the row of the step whose
 weights it measured, that row being written once it lands (`metrics/deferred.py`).
+Held-out episodes (env runs, `rollout/evaluation.py`) are played greedily (temperature 0) and
+sampled (the run's sampling settings): `eval/greedy/<name>` and `eval/sampled/<name>`, the
+names those of the training episodes' `env/*` rates: `solved_frac` (success rate: episodes
+whose env reported `solved`), `return_mean`, `invalid_action_frac` (per model turn),
+`turns_mean`, `episodes_failed` (env errors, left out of the others); `eval/accuracy` is then
+the greedy success rate, so the console, plots and summary show it as for single-turn runs.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ TAKEN = "replay/taken"
 EVICTED = "replay/evicted"
 LENGTH_RATIO = "replay/length_ratio"
 OVER_BOUND = "replay/over_bound"
+EVAL_GREEDY = "eval/greedy/"
+EVAL_SAMPLED = "eval/sampled/"
 
 #: Series the logger keeps in memory for plots and the summary (everything else is only
 #: written to the sinks and remembered as its latest value).

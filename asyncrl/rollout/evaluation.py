@@ -1,5 +1,6 @@
 """Held-out evaluation off the training loop: greedy accuracy through the engines, pinned to the
-weight version a step produced, while the learner goes on training.
+weight version a step produced, while the learner goes on training. Env runs play held-out
+episodes instead (see "Episodes" below).
 
 `submit(step, version)` sends the held-out prompts to the engines as ordinary requests (the
 same SGLang-protocol client, the same reward function, greedy `sampling_params`) at SGLang
@@ -16,6 +17,16 @@ an evaluation that ran (even in part) under another version (an engine relaunche
 synced to the learner's newest weights) is dropped and counted (`eval_off_version`), never
 logged against a step whose weights it did not measure. An engine error drops the evaluation
 too (`eval_failures`); the dead engine is healed by the loop; the run goes on.
+
+Episodes (`settings.env` set): the items are held-out env seeds (`heldout_seed_items`, disjoint
+from the training seeds: `data/env_prompts.py`), each played once greedily (temperature 0) and
+once sampled (the run's sampling settings, per-request seeds derived from the item's key, so
+every evaluation draws the same noise), by the training episodes' own code
+(`EpisodeBuilder.run_episode` through a `for_eval` copy that adds greedy and the priority).
+Reported per mode as `eval/greedy/*` and `eval/sampled/*` (`metrics/keys.py`): success rate
+(the env's `info["solved"]`, `envs/base.py`), mean return (`env.return_mode`), invalid-action
+rate per turn, mean turns; an env error fails its episode (counted, left out of the rates), a
+failed reset or every episode failing drops the evaluation (`eval_failures`).
 """
 
 from __future__ import annotations
@@ -24,14 +35,30 @@ import asyncio
 import concurrent.futures
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
-from asyncrl.config.schema import LoggingConfig
+from asyncrl.algo.episode import episode_return
+from asyncrl.config.schema import EnvConfig, LoggingConfig
+from asyncrl.data.env_prompts import heldout_seed_rows
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.client import EngineError
 from asyncrl.engine.fleet import EngineFleet
+from asyncrl.metrics.keys import ACCURACY, EVAL_GREEDY, EVAL_SAMPLED
+from asyncrl.rollout.multiturn import Episode, EpisodeBuilder, EpisodeError
 from asyncrl.rollout.settings import RolloutSettings, sampling_params
+from asyncrl.types import NOT_GENERATED
 from asyncrl.weights.sync import WeightSource
+
+#: Episode evaluation modes: the metric prefix of each, and whether it generates greedily.
+EPISODE_MODES = {EVAL_GREEDY: True, EVAL_SAMPLED: False}
+
+
+def heldout_seed_items(env: EnvConfig, n: int) -> list[PromptItem]:
+    """An env run's held-out items: one per held-out env seed, keys `heldout-<i>`."""
+    rows = heldout_seed_rows(env, n)
+    return [PromptItem(f"heldout-{i}", [], metadata=row) for i, row in enumerate(rows)]
 
 
 class EvalVersionError(RuntimeError):
@@ -47,7 +74,8 @@ class _InFlight:
 
 
 class Evaluator:
-    """Every `logging.eval_interval` steps (and at the last one): accuracy on `items`."""
+    """Every `logging.eval_interval` steps (and at the last one): accuracy on `items`, or with
+    `settings.env` the held-out episodes of `items` (env seeds), greedy and sampled."""
 
     def __init__(
         self,
@@ -69,6 +97,13 @@ class Evaluator:
         self.reward = get_reward_fn(settings.rollout.reward_fn)
         self.counters: Counter[str] = Counter()
         self.in_flight: list[_InFlight] = []
+        self.episodes: dict[str, EpisodeBuilder] = {}  # per mode; empty: single-turn prompts
+        if settings.env is not None:
+            builder = EpisodeBuilder(settings)
+            self.episodes = {
+                mode: builder.for_eval(greedy, self.priority)
+                for mode, greedy in EPISODE_MODES.items()
+            }
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and (step % self.interval == 0 or step == self.max_steps)
@@ -79,7 +114,8 @@ class Evaluator:
         if not self.due(step) or not self.items:
             return False
         self.fleet.heal(source)
-        future = asyncio.run_coroutine_threadsafe(self._generate(version), self.fleet.runner.loop)
+        work = self._play(version) if self.episodes else self._generate(version)
+        future = asyncio.run_coroutine_threadsafe(work, self.fleet.runner.loop)
         self.in_flight.append(_InFlight(step, version, time.perf_counter(), future))
         return True
 
@@ -108,6 +144,7 @@ class Evaluator:
                 outs = ev.future.result()
             except (
                 EngineError,
+                EpisodeError,
                 EvalVersionError,
                 ValueError,
                 concurrent.futures.CancelledError,
@@ -116,7 +153,8 @@ class Evaluator:
                 self.counters[kind] += 1
                 print(f"asyncrl: evaluation of step {ev.step} skipped: {type(e).__name__}: {e}")
                 continue
-            out.append((ev.step, self._score(*outs, ev)))
+            score = self._score_episodes if self.episodes else self._score
+            out.append((ev.step, score(*outs, ev)))
         return sorted(out, key=lambda r: r[0])
 
     def in_flight_steps(self) -> set[int]:
@@ -162,5 +200,57 @@ class Evaluator:
             "eval/version": float(ev.version),
         }
 
+    async def _play(self, version: int) -> tuple[dict[str, list[Episode]], float]:
+        """Every held-out seed's episode in each mode, all generated by weight `version`, and
+        when the last one ended (`perf_counter`)."""
+        clients = self.fleet.clients
+
+        def play(builder: EpisodeBuilder, i: int, item: PromptItem) -> Coroutine[Any, Any, Episode]:
+            seed = int(item.metadata["env_seed"])
+            return builder.run_episode(clients[i % len(clients)], item.key, seed, 0)
+
+        try:
+            async with asyncio.TaskGroup() as tg:  # the first error cancels the others
+                tasks = {
+                    mode: [tg.create_task(play(b, i, it)) for i, it in enumerate(self.items)]
+                    for mode, b in self.episodes.items()
+                }
+        except ExceptionGroup as eg:  # the cause, not "unhandled errors in a TaskGroup"
+            raise eg.exceptions[0] from None
+        finished = time.perf_counter()
+        played = {mode: [t.result() for t in ts] for mode, ts in tasks.items()}
+        seen = {v for eps in played.values() for ep in eps for v in ep.versions}
+        if seen - {version, NOT_GENERATED}:  # observation tokens carry NOT_GENERATED
+            ran = sorted(seen - {NOT_GENERATED}, key=str)
+            raise EvalVersionError(f"pinned to weight version {version}, ran under {ran}")
+        for mode, eps in played.items():  # rates over no episode at all would read as 0
+            if all(ep.failed for ep in eps):
+                raise EpisodeError(f"every held-out episode ({mode}*) failed: {eps[0].error}")
+        return played, finished
+
+    def _score_episodes(
+        self, played: dict[str, list[Episode]], finished: float, ev: _InFlight
+    ) -> dict[str, float]:
+        mode = self.s.env.return_mode if self.s.env is not None else "sum"
+        out = {"eval/seconds": finished - ev.started, "eval/version": float(ev.version)}
+        for prefix, episodes in played.items():
+            out |= {prefix + k: v for k, v in episode_scores(episodes, mode).items()}
+        out[ACCURACY] = out[EVAL_GREEDY + "solved_frac"]  # what the console and plots show
+        return out
+
     def metrics(self) -> dict[str, float]:
         return {f"rollout/{k}": float(v) for k, v in self.counters.items()}
+
+
+def episode_scores(episodes: list[Episode], return_mode: str) -> dict[str, float]:
+    """Success rate, mean return, invalid actions per turn and mean turns of the episodes that
+    did not fail (an env error), and how many failed (named as `metrics/keys.py` says)."""
+    ok = [ep for ep in episodes if not ep.failed]
+    played, turns = max(1, len(ok)), sum(len(ep.turn_spans) for ep in ok)
+    return {
+        "solved_frac": sum(ep.solved for ep in ok) / played,
+        "return_mean": sum(episode_return(ep.turn_rewards, return_mode) for ep in ok) / played,
+        "invalid_action_frac": sum(ep.invalid_actions for ep in ok) / max(1, turns),
+        "turns_mean": turns / played,
+        "episodes_failed": float(len(episodes) - len(ok)),
+    }

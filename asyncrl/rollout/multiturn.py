@@ -25,6 +25,7 @@ loop, the other episodes or process exit (its thread is abandoned and its env ne
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import threading
 from collections.abc import Callable
@@ -165,6 +166,22 @@ class EpisodeBuilder:
         self.template = TurnTemplate(self.tokenizer, self.env_cfg.template)
         self.turn_tokens = self.env_cfg.max_tokens_per_turn or settings.max_new_tokens
         self.max_total = settings.response_length or self.turn_tokens * self.env_cfg.max_turns
+        # Training samples at the run's temperature with no priority; held-out evaluation plays
+        # the same episodes through `for_eval` copies (rollout/evaluation.py).
+        self.greedy: bool = False
+        self.priority: int | None = None
+
+    def for_eval(self, greedy: bool, priority: int | None) -> EpisodeBuilder:
+        """This builder (its tokenizer and template shared) generating greedily (temperature
+        0) or at the run's sampling settings, every request at SGLang `priority`."""
+        other = copy.copy(self)
+        other.greedy, other.priority = greedy, priority
+        return other
+
+    @property
+    def _priority(self) -> dict[str, int]:
+        """`generate_one`'s priority keyword; training sends none (the engines' default)."""
+        return {} if self.priority is None else {"priority": self.priority}
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
         """n episodes of the env seed `item.metadata["env_seed"]`, scored, with advantages."""
@@ -251,9 +268,9 @@ class EpisodeBuilder:
         s, out = self.s, TurnOutput([], [], [], "abort")
         for attempt in range(MAX_CONTINUATIONS + 1):
             seed = request_seed(s.seed, f"{key}/t{turn}/c{attempt}", index)
-            params = sampling_params(s.generating, max_new - len(out.ids), seed)
+            params = sampling_params(s.generating, max_new - len(out.ids), seed, self.greedy)
             request = {"input_ids": context + out.ids, "sampling_params": params}
-            c = await client.generate_one({**request, "return_logprob": True})
+            c = await client.generate_one({**request, "return_logprob": True}, **self._priority)
             if c.finish_reason == "abort" and c.abort_status is not None and c.abort_status < 500:
                 # SGLang's answer to a context at its limit (status 400): the episode has no
                 # room left, as with an empty reply; re-submitting would be refused forever

@@ -53,17 +53,34 @@ class _RayRolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
-
-class RayWorkerPool:
-    """`num_workers` rollout workers as Ray actors; worker i gets `settings_for(i)`."""
-
-    def __init__(self, settings_for: Callable[[int], RolloutSettings], num_workers: int) -> None:
+    def node_id(self) -> str:
         import ray
 
-        init_ray()
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayWorkerPool:
+    """`num_workers` rollout workers as Ray actors; worker i gets `settings_for(i)` and the Ray
+    options `options_for(i)` (where it runs: multi-node, its engine's placement-group bundle;
+    None: wherever Ray likes). `address`: the Ray cluster (None: `init_ray`'s default)."""
+
+    def __init__(
+        self,
+        settings_for: Callable[[int], RolloutSettings],
+        num_workers: int,
+        options_for: Callable[[int], dict[str, Any]] | None = None,
+        address: str | None = None,
+    ) -> None:
+        import ray
+
+        init_ray(address)
         self._ray = ray
         self._cls = ray.remote(num_cpus=0, max_concurrency=1000)(_RayRolloutWorker)
         self._settings_for = settings_for
+        self._options_for = options_for or (lambda index: {})
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), False)
         self.workers = [self._spawn(i) for i in range(num_workers)]
         self.generation = [0] * num_workers
         self.deaths = [0] * num_workers  # in a row, per worker: reset by any answer
@@ -85,7 +102,11 @@ class RayWorkerPool:
             raise PermanentRolloutError(f"rollout worker {index} failed to start: {error}")
 
     def _spawn(self, index: int) -> Any:
-        return self._cls.options(name=None).remote(self._settings_for(index))
+        # A replacement goes where its predecessor was placed (its engine's node). Without a
+        # placement a worker stays on the driver's node: it reaches loopback engines and the
+        # loopback receiver even when RAY_ADDRESS joined a cluster of several nodes.
+        options = self._options_for(index) or {"scheduling_strategy": self._here}
+        return self._cls.options(name=None, **options).remote(self._settings_for(index))
 
     def size(self) -> int:
         return len(self.workers)
@@ -132,6 +153,10 @@ class RayWorkerPool:
 
     def pids(self) -> list[int]:
         return self._ray.get([a.pid.remote() for a in self.workers])
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id each worker runs on."""
+        return self._ray.get([a.node_id.remote() for a in self.workers])
 
     def close(self) -> None:
         for actor in self.workers:

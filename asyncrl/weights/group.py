@@ -7,8 +7,8 @@ under the key prefixes SGLang's `init_custom_process_group` produces (its store 
 `PrefixStore(group_name)`, then torch's group helper adds `group_name/` and the device).
 
 - gloo: a `ProcessGroupGloo` is built directly on those keys. When the master address is a
-  loopback address the gloo device binds to 127.0.0.1 (CI, one host); otherwise gloo's default
-  device is used (it honours `GLOO_SOCKET_IFNAME`).
+  loopback address the gloo device binds to 127.0.0.1 (CI, one host); otherwise the interface
+  named by `GLOO_SOCKET_IFNAME`, or else the one on the route to the master (`_gloo_device`).
 - nccl / hccl: built through `torch.distributed.distributed_c10d._new_process_group_helper` with
   the same group name, exactly SGLang's route, so the engine side of a real SGLang server and
   this learner side agree. (hccl needs `torch_npu` imported to register itself.)
@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 
 import torch
 import torch.distributed as dist
+
+from asyncrl.net import route_ip
 
 BACKENDS = ("gloo", "nccl", "hccl")
 
@@ -73,10 +76,7 @@ def create_group(
                 store = dist.PrefixStore(prefix, store)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
-            if _is_loopback(master_address):
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            else:
-                opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            opts._devices = [_gloo_device(master_address)]
             return dist.ProcessGroupGloo(store, rank, world_size, opts)
         return _accelerator_group(backend, store, rank, world_size, group_name, timeout)
     except GroupError:
@@ -87,6 +87,17 @@ def create_group(
             f"rank {rank}/{world_size} could not join group {group_name!r} at "
             f"{master_address}:{master_port} ({backend}): {msg}"
         ) from e
+
+
+def _gloo_device(master_address: str) -> object:
+    """The interface this rank's gloo pairs listen on: loopback for a loopback master (CI, one
+    host); `GLOO_SOCKET_IFNAME` when set; else the one on the route to the master (multi-node:
+    reachable from the other nodes, unlike a host name that resolves to 127.0.1.1)."""
+    if _is_loopback(master_address):
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=route_ip(master_address))
 
 
 def _accelerator_group(backend, store, rank, world_size, group_name, timeout):

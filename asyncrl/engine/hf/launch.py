@@ -15,7 +15,7 @@ from pathlib import Path
 from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import SPECS
 from asyncrl.engine.process import API_KEY_ENV, EngineLaunchError, ServerHandle, popen
-from asyncrl.net import free_port
+from asyncrl.net import advertised_host, free_port, url_host
 
 
 def launch_hf_server(
@@ -50,7 +50,9 @@ def launch_hf_server(
         env[API_KEY_ENV] = api_key
     with open(log_path, "wb") as log:
         proc = popen(cmd, env, log)
-    handle = ServerHandle(proc, f"http://{host}:{port}", log_path, scratch)
+    # Reached at the node's address when bound to every interface (multi-node), else at `host`.
+    url = f"http://{url_host(advertised_host(host))}:{port}"
+    handle = ServerHandle(proc, url, log_path, scratch)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -74,7 +76,8 @@ def launch_hf_server(
 
 
 class HFLauncher:
-    """asyncrl's own transformers server (`hf_infer`): one CPU process per engine, loopback."""
+    """asyncrl's own transformers server (`hf_infer`): one CPU process per engine, bound to
+    `host` (loopback unless `cluster.bind_host` says otherwise)."""
 
     def __init__(
         self,
@@ -83,9 +86,10 @@ class HFLauncher:
         log_dir: Path,
         seed: int,
         api_key: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.infer, self.model_dir, self.log_dir, self.seed = infer, model_dir, log_dir, seed
-        self.api_key = api_key
+        self.api_key, self.host = api_key, host
         self.num_engines = max(1, len(infer.device_mapping) // infer.num_gpus_per_worker)
         self.tp_size = 1
         self.device = SPECS["cpu"]
@@ -95,6 +99,7 @@ class HFLauncher:
         return launch_hf_server(
             self.model_dir,
             port=port,
+            host=self.host,
             dtype=self.infer.model_args.dtype or "fp32",
             max_batch_size=int(self.infer.strategy_args.strategy_config.get("max_batch_size", 64)),
             seed=self.seed + index,

@@ -1,33 +1,53 @@
-"""Multi-process data-parallel training for the torch learner (DDP over gloo/nccl).
+"""The torch learner over W processes, sharded with FSDP2 (`asyncrl.learner.torch.fsdp`).
 
 Rank 0 is a `TorchLearner` in the driver process (so weight sync and checkpoints stay where they
-are); ranks 1..W-1 are Ray actors holding replicas. Every `step` hands the whole batch to every
-rank; each trains on its shard (row r on rank r % W) and DDP averages the gradients, so all
-replicas stay identical. The training group is the default process group of each process; the
-weight-update group to the engines is a separate standalone group and never mixes with it.
+are); ranks 1..W-1 are Ray actors. Every `step` hands the whole batch to every rank; each trains
+on its rows (row r on rank r % W) while FSDP2 all-gathers the parameters of each layer for its
+forward/backward and reduce-scatters the gradients, so each rank holds 1/W of the parameters,
+gradients and optimizer state. Since every forward, backward and full-tensor gather is a
+collective, whatever rank 0 does with the model the remote ranks do concurrently, in the same
+order: `weights_for_sync` (and the HF export) make them run the same gathers and discard them.
+
+Two groups per process: the training group (the default process group: forwards, backwards,
+metrics) and a checkpoint group (gloo) that DCP uses, so a checkpoint written in the background
+(`actor.checkpoint.async_save`) never interleaves its collectives with a training step's. The
+weight-update group to the engines is a separate standalone group and never mixes with either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.learner.objective import check_learner_side
 from asyncrl.learner.reference import reference_spec
+from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.learner import TorchLearner
 from asyncrl.net import free_port
 
 
+def _join(rank: int, world: int, init_method: str) -> Any:
+    """Join the training group (default) and create the checkpoint group; returns the latter.
+    Every rank calls this in the same order (new_group is a collective)."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world
+    )
+    return torch.distributed.new_group(backend="gloo")
+
+
 class _RemoteRank:
-    """Ray actor body: join the training group, then mirror rank 0's calls on a replica."""
+    """Ray actor body: join the groups, then mirror rank 0's calls on this rank's shards. It runs
+    two calls at once (max_concurrency=2) only so `wait_save` can wait on a background write
+    while the next `step` trains; the driver never overlaps any other two calls."""
 
     def __init__(self, kwargs: dict[str, Any], rank: int, world: int, init_method: str) -> None:
-        torch.distributed.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world
-        )
+        self.ckpt_group = _join(rank, world, init_method)
         self.learner = TorchLearner(**kwargs, rank=rank, world_size=world)
+        self.pending: Future | None = None
 
     def step(self, groups: list[Any]) -> None:
         self.learner.step(groups)
@@ -35,10 +55,29 @@ class _RemoteRank:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.learner.load_state_dict(state)
 
+    def drain_weights(self) -> None:
+        """Run the gathers of rank 0's `weights_for_sync` (or HF export), discarding them."""
+        fsdp.drain(self.learner.weights_for_sync())
+
+    def save_sharded(self, path: str, background: bool, optimizer: bool) -> None:
+        """This rank's shards into the DCP directory `path` (with rank 0's); `background`:
+        staged to the CPU now, written by a thread `wait_save` joins."""
+        state = self.learner.sharded_state(optimizer)
+        if not background:
+            fsdp.save_sharded(state, path, self.ckpt_group)
+            return
+        self.pending = fsdp.async_save_sharded(state, path, self.ckpt_group)
+
+    def wait_save(self) -> None:
+        """Wait for the background write; its error, if any, raises here (and at the driver)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
 
 class DistributedTorchLearner:
-    """`Learner` over W data-parallel processes; behaves like one TorchLearner to the loop.
-    `kwargs` are TorchLearner's (`reference` included: every rank loads its own frozen copy)."""
+    """`Learner` over W FSDP2 ranks; behaves like one TorchLearner to the loop.
+    `kwargs` are TorchLearner's (`reference` included: every rank holds its shard of it)."""
 
     def __init__(self, world_size: int, **kwargs: Any) -> None:
         import ray
@@ -53,19 +92,18 @@ class DistributedTorchLearner:
             kwargs.get("reference"), kwargs["model_path"], kwargs["train"],
             kwargs["actor"].use_kl_loss or alg.use_kl_in_reward,
         )  # fmt: skip
+        fsdp.check_shardable(kwargs["train"])
         init_ray()
         self._ray = ray
         host = "127.0.0.1"
         init_method = f"tcp://{host}:{free_port(host)}"
-        remote_cls = ray.remote(num_cpus=0)(_RemoteRank)
+        remote_cls = ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
         self.remotes = [
             remote_cls.remote(kwargs, rank, world_size, init_method)
             for rank in range(1, world_size)
         ]
         # Rank 0 joins last: init_process_group returns once every rank has arrived.
-        torch.distributed.init_process_group(
-            "gloo", init_method=init_method, rank=0, world_size=world_size
-        )
+        self.ckpt_group = _join(0, world_size, init_method)
         self.local = TorchLearner(**kwargs, rank=0, world_size=world_size)
 
     @property
@@ -80,17 +118,60 @@ class DistributedTorchLearner:
         metrics["learner/world_size"] = float(len(self.remotes) + 1)
         return metrics
 
+    def _gathered(self, tensors: Iterator[Any]) -> Iterator[Any]:
+        """Yield rank 0's `tensors` while every remote rank runs the same gathers. A consumer
+        that stops early still completes them here (the ranks' collectives must match)."""
+        pending = [r.drain_weights.remote() for r in self.remotes]
+        try:
+            # not `yield from`: closing this generator must not close `tensors` (drained below)
+            for item in tensors:  # noqa: UP028
+                yield item
+        finally:
+            fsdp.drain(tensors)
+            self._ray.get(pending)
+
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.local.weights_for_sync()
+        """Full tensors, gathered one at a time from the shards (never the whole model)."""
+        return self._gathered(self.local.weights_for_sync())
 
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
-        return self.local.adapter_for_sync()  # every rank holds the same adapter
+        return None  # LoRA runs on one device only (fsdp.shard_learner refuses it here)
 
     def save_pretrained(self, path: Any) -> None:
+        pending = [r.drain_weights.remote() for r in self.remotes]
         self.local.save_pretrained(path)
+        self._ray.get(pending)
+
+    def pretrained_snapshot(self) -> Callable[[Path], None]:
+        """The HF export's tensors, gathered now onto rank 0's CPU; the writer runs later."""
+        tensors = self._gathered(self.local.weights_for_sync())
+        return fsdp.pretrained_snapshot(self.local.model, tensors)
 
     def state_dict(self) -> dict[str, Any]:
         return self.local.state_dict()
+
+    def save_sharded(
+        self, path: Path, background: bool = False, optimizer: bool = True
+    ) -> Callable[[], None]:
+        """Every rank writes its shards of model, optimizer (unless not `optimizer`) and frozen
+        reference into the DCP directory `path`. Returns the wait: done at once unless
+        `background`, where the shards are staged on the CPU before this returns and the
+        returned call waits for the writes (raising their error)."""
+        pending = [r.save_sharded.remote(str(path), background, optimizer) for r in self.remotes]
+        state = self.local.sharded_state(optimizer)
+        if not background:
+            fsdp.save_sharded(state, path, self.ckpt_group)
+            self._ray.get(pending)
+            return lambda: None
+        local = fsdp.async_save_sharded(state, path, self.ckpt_group)
+        self._ray.get(pending)  # every rank has staged its shards: training may go on
+
+        def wait() -> None:
+            waits = [r.wait_save.remote() for r in self.remotes]
+            local.result()
+            self._ray.get(waits)
+
+        return wait
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ref = self._ray.put(state)

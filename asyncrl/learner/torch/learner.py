@@ -12,10 +12,9 @@ version += 1 (every step, so admission opens per version even while the actor wa
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,10 @@ from asyncrl.device import torch_dtype
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import lora
 from asyncrl.learner import objective as obj
+from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
-from asyncrl.learner.reference import ReferenceSpec, reference_spec
+from asyncrl.learner.reference import ReferenceSpec, frozen, reference_spec
+from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.critic import build_critic
 from asyncrl.types import TrajectoryGroup, collate
 
@@ -70,7 +71,9 @@ class TorchLearner:
         self.rank, self.world_size = rank, world_size
         dtype = torch_dtype(train.model_args.dtype or "fp32")
         attn = {"attn_implementation": a} if (a := train.model_args.attn_implementation) else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn)
+        master = fsdp.master_dtype(dtype, device, world_size)  # fp32 under mixed precision
+        self.sync_dtype = dtype if master != dtype else None  # what the engines receive
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master, **attn)
         self.model.to(device)
         if not train.model_args.disable_gradient_checkpointing:
             # transformers 5 renamed it; the old name (all that 4.x has) warns there
@@ -88,13 +91,12 @@ class TorchLearner:
         self.reference = self._make_reference() if uses_ref else None
         spec = self.reference_spec
         self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
-        # Data parallel: every rank holds a replica; DDP all-reduces (averages) the gradients.
-        # The default process group must already exist (see asyncrl.learner.torch.distributed).
+        # > 1 rank: FSDP2 shards parameters, gradients and optimizer state (and the reference)
+        # over the default process group, which must exist (asyncrl.learner.torch.distributed).
         self.train_model: torch.nn.Module = self.model
-        if world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.train_model = DistributedDataParallel(self.model)
+        if fsdp.sharded(world_size):
+            fsdp.shard_learner(self.model, self.reference, train, device, dtype)
+        maybe_compile(self.model, actor.use_torch_compile)  # after sharding (FSDP2's order)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -116,14 +118,14 @@ class TorchLearner:
         if spec is None and self.lora:  # the base never trains: the adapter-off policy is π_0
             return lora.AdapterOff(self.model)
         if spec is None:
-            return _frozen(copy.deepcopy(self.model))
+            return frozen(copy.deepcopy(self.model))
         from transformers import AutoModelForCausalLM
 
         # Every strategy name (fsdp2_train, hf_infer, megatron_infer) scores the same HF model
         # directory; here it is a transformers model in this process, on the learner's device.
         dtype = torch_dtype(spec.dtype) if spec.dtype else self.model.dtype
         ref = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
-        return _frozen(ref.to(self.device))
+        return frozen(ref.to(self.device))
 
     def _lr_lambda(self, total_steps: int):
         return obj.lr_factor(self.train.training_args, self.actor.optim, total_steps)
@@ -154,7 +156,7 @@ class TorchLearner:
             metrics.update(self._optimise(data, prep, total_rows))
         if reuse:  # the IS metrics of the whole batch, from what the training forward filled in
             metrics.update(self._correct(prep["prox"], data["rollout_logprobs"], data)[2])
-        metrics = self._average_over_ranks(metrics)
+        metrics = fsdp.mean_over_ranks(metrics, self.world_size)
         self.version += 1
         metrics.update(
             {
@@ -180,22 +182,22 @@ class TorchLearner:
     ) -> tuple[dict[str, Any], dict[str, float]]:
         """Old/reference logprobs, IS weights and the (rejection-filtered) loss mask. `reuse`:
         the training forward fills `prep["prox"]` and corrects each micro-batch (`_micro_loss`);
-        otherwise the proximal logprobs are recomputed in forwards of at most infer_batch_size
-        rows of the batch's width (`budget_logprobs`: short rows share a forward)."""
-        alg, rollout = self.algorithm, data["rollout_logprobs"]
+        else they are recomputed in token-budget forwards (`budget_logprobs`; with
+        use_dynamic_bsz packed ones, as the reference's: `lp.packed_logprobs`)."""
+        alg, rollout, pack = self.algorithm, data["rollout_logprobs"], lp.pack_budget(self.actor)
         self.model.eval()
         old, weights, mask, metrics = None, None, data["response_mask"], {}
         if not reuse:
             recomputed = None
             if alg.correction_mode == "decoupled":
                 budget = self.train.infer_batch_size * data["input_ids"].shape[1]
-                recomputed = lp.budget_logprobs(self.model, data, self.temperature, budget)
+                recomputed = lp.budget_logprobs(self.model, data, self.temperature, budget, pack)
             old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
             weights, mask, metrics = self._correct(old, rollout, data)
         ref = None
         if self.reference is not None:
             ref = lp.batched_logprobs(
-                self.reference, data, self.temperature, self.reference_batch_size
+                self.reference, data, self.temperature, self.reference_batch_size, pack
             )
         # "ref" is what the KL loss reads (only with use_kl_loss); KL-in-reward reads "ref_all".
         loss_ref = ref if self.actor.use_kl_loss else None
@@ -252,36 +254,39 @@ class TorchLearner:
         global_rows: int,
     ) -> dict[str, float]:
         """One optimizer step over `rows` (this rank's part of a mini-batch of `global_rows`),
-        accumulated over micro-batches of the per-device size; DDP syncs on the last one."""
+        accumulated over micro-batches of the per-device size; FSDP syncs on the last one."""
         micro = self.train.training_args.per_device_train_batch_size
         self.optimizer.zero_grad(set_to_none=True)
         tokens = prep["mask"][rows].sum()
         if self.world_size > 1:
             torch.distributed.all_reduce(tokens)
         totals = {"tokens": tokens.clamp(min=1.0), "seqs": float(global_rows)}
-        chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
+        chunks = lp.train_micro_batches(
+            data["attention_mask"], rows, micro, self.actor, self.world_size > 1
+        )
         sums: dict[str, float] = {}
-        if not chunks:  # no rows here this time: a zero-loss pass keeps DDP's collectives matched
-            loss, _, _ = self._micro_loss(data, prep, torch.zeros(1, dtype=torch.long), totals)
-            (loss * 0.0).backward()
-        for i, idx in enumerate(chunks):
-            last = i == len(chunks) - 1
-            sync = contextlib.nullcontext()
-            if self.world_size > 1 and not last:
-                sync = self.train_model.no_sync()
-            with sync:
-                loss, metrics, share = self._micro_loss(data, prep, idx, totals)
-                # DDP averages gradients over ranks; the loss is normalised globally already.
-                (loss * self.world_size).backward()
+        # Sharded, every forward/backward is a collective: all ranks run as many passes (the
+        # most any rank has), a rank out of rows runs zero-loss ones; gradients reduce on the last.
+        passes = fsdp.max_over_ranks(len(chunks)) if self.world_size > 1 else len(chunks)
+        for i in range(passes):
+            fsdp.set_gradient_sync(self.train_model, i == passes - 1)
+            if i >= len(chunks):
+                loss, _, _ = self._micro_loss(data, prep, torch.zeros(1, dtype=torch.long), totals)
+                (loss * 0.0).backward()
+                continue
+            loss, metrics, share = self._micro_loss(data, prep, chunks[i], totals)
+            # FSDP averages gradients over ranks; the loss is normalised globally already.
+            (loss * self.world_size).backward()
             # Metrics weigh like the loss (tokens or sequences of the whole mini-batch, over all
             # ranks), so they do not depend on how rows are split into micro-batches or ranks;
-            # `_average_over_ranks` divides by the world size again.
+            # `fsdp.mean_over_ranks` divides by the world size again.
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * share * self.world_size
         max_norm = self.train.training_args.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf")
         )
+        norm = fsdp.local_value(norm)  # sharded: the global norm over every rank's shards
         if torch.isfinite(norm):
             self.optimizer.step()
         sums["actor/grad_norm"] = float(norm)
@@ -300,7 +305,7 @@ class TorchLearner:
         micro = lp.select_rows(data, idx)
         mask = prep["mask"][idx]
         logp, entropy = lp.token_logprobs(
-            self.train_model, micro, self.temperature, with_entropy=True
+            self.train_model, micro, self.temperature, True, actor.use_dynamic_bsz
         )
         if actor.entropy_coeff == 0 and entropy is not None:
             # Only the metric needs it: detached, its graph (a [B, R, V] softmax) is freed now.
@@ -316,23 +321,14 @@ class TorchLearner:
         share = obj.micro_share(actor.loss_agg_mode, mask, len(idx), totals)
         return loss * share, metrics, float(share)
 
-    def _average_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Every rank computes the same metric keys on its shard; report their mean."""
-        if self.world_size == 1:
-            return metrics
-        keys = sorted(metrics)
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        torch.distributed.all_reduce(values)
-        return {k: float(v) / self.world_size for k, v in zip(keys, values, strict=True)}
-
     # -- weights and state -------------------------------------------------------------------
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under HF names (with LoRA: the adapter merged in)."""
         if self.lora:
             yield from lora.merged_tensors(self.model)
             return
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        # Sharded: one all-gather per tensor, every rank in this order (distributed.py drains).
+        yield from fsdp.full_tensors(self.model, self.sync_dtype)
 
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Only the LoRA adapter (`asyncrl.learner.lora.adapter_tensors`); None without LoRA."""
@@ -341,44 +337,46 @@ class TorchLearner:
     def save_pretrained(self, path: str | Path) -> None:
         """HF export; with LoRA the merged model plus the PEFT adapter in `path/adapter`."""
         if self.lora:
-            lora.save(self.model, path)
+            return lora.save(self.model, path)
+        if fsdp.sharded(self.world_size):  # gathered tensor by tensor; rank 0 writes them
+            fsdp.save_full(self.model, self.weights_for_sync(), path if self.rank == 0 else None)
             return
         self.model.save_pretrained(path)
+
+    def pretrained_snapshot(self) -> Callable[[Path], None] | None:
+        """The HF export's tensors copied now, written by the returned call (async checkpoint
+        saves); None with LoRA (`save_pretrained` exports the adapter too, at once)."""
+        return None if self.lora else fsdp.pretrained_snapshot(self.model, self.weights_for_sync())
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
 
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        """Checkpointed modules: the policy, the frozen initial actor (a configured one reloads)."""
+        frozen = self.reference is not None and self.reference_spec is None and not self.lora
+        return {"model": self.model, **({"reference": self.reference} if frozen else {})}
+
+    def sharded_state(self, optimizer: bool = True) -> dict[str, Any]:
+        """The model, optimizer and frozen reference for DCP (each rank its shards)."""
+        return fsdp.dcp_state(self._modules(), self.optimizer if optimizer else None)
+
     def state_dict(self) -> dict[str, Any]:
+        """What a resume needs; sharded, model/optimizer/reference are in `sharded_state`."""
         return {
-            # With LoRA the base never changes (it is the model directory): the adapter only.
-            "model": lora.adapter_state(self.model) if self.lora else self.model.state_dict(),
+            **fsdp.model_state(self._modules(), self.optimizer, self.lora, self.world_size),
             "lora": self.lora,
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
-            "reference": self._reference_state(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
         }
 
-    def _reference_state(self) -> dict[str, Any] | None:
-        """The frozen initial actor must be saved (training overwrites its source); a configured
-        reference is reloaded from its own model directory instead."""
-        if self.reference is None or self.reference_spec is not None or self.lora:
-            return None
-        return self.reference.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "model" in state:  # the full model, or with LoRA the adapter only
-            lora.load_model_state(self.model, state, self.train.model_args.lora_rank)
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        """Restore `state_dict` of any rank count (a sharded one reads `state["sharded_dir"]`)."""
+        rank = self.train.model_args.lora_rank
+        fsdp.load_model_state(self._modules(), self.optimizer, state, rank, self.world_size)
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
-        # A configured reference comes from its model directory, whatever a checkpoint holds.
-        frozen_copy = self.reference is not None and self.reference_spec is None
-        if frozen_copy and state.get("reference") is not None:
-            self.reference.load_state_dict(state["reference"])
         # A checkpoint without them (saved before the critic or KL-in-reward was configured)
         # leaves the fresh critic and the initial coefficient.
         if self.critic is not None and state.get("critic") is not None:
@@ -386,11 +384,3 @@ class TorchLearner:
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.version = int(state.get("version", self.version))
-
-
-def _frozen(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` in eval mode with every parameter frozen (the KL reference never trains)."""
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model

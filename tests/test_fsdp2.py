@@ -1,0 +1,250 @@
+"""FSDP2 (`fsdp2_train` over > 1 device): 2 gloo ranks equal 1 process, hold half the state
+each, gather full tensors for weight sync, and checkpoint/resume across rank counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from asyncrl.checkpoint import Checkpointer, IncompleteCheckpoint
+from asyncrl.learner.torch.distributed import DistributedTorchLearner
+from tests.test_torch_learner import _groups, _learner
+
+
+def _distributed(model_dir, single) -> DistributedTorchLearner:
+    return DistributedTorchLearner(
+        2, model_path=model_dir, train=single.train, actor=single.actor,
+        algorithm=single.algorithm, temperature=0.7, total_steps=10,
+    )  # fmt: skip
+
+
+def _assert_same_weights(dist, ref: dict[str, torch.Tensor]) -> None:
+    """The full tensors the 2 ranks gather (what weight sync sends) equal the 1-process ones."""
+    gathered = dict(dist.weights_for_sync())
+    assert gathered.keys() == ref.keys()
+    for name, tensor in gathered.items():
+        assert not isinstance(tensor, DTensor), name
+        torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _state_bytes(learner) -> int:
+    """This rank's parameter + optimizer-state bytes (a DTensor counts its local shard)."""
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = sum(local(p) for p in learner.model.parameters())
+    for state in learner.optimizer.state.values():
+        total += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
+    return total
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        [],
+        ["actor_train.model_args.disable_gradient_checkpointing=false"],
+        # the frozen initial actor as KL reference: sharded too, scored in sharded forwards
+        [
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_coef=0.5",
+            "algorithm.correction_mode=bypass",
+            "actor_train.infer_batch_size=4",
+        ],  # fmt: skip
+    ],
+)
+def test_two_fsdp2_ranks_equal_one_process_and_hold_half(tiny_model, tmp_path, settings):
+    """Micro-batches of 1 row over 3 rows: rank 0 runs 2 passes, rank 1 one real pass and one
+    zero-loss pass (the collectives match); loss, grad norm and weights agree to 1e-5."""
+    extra = ["actor_train.training_args.per_device_train_batch_size=1", *settings]
+    batches = [_groups(n_groups=1, n=3, seed=seed) for seed in range(3)]
+    # The one-process run goes first: a learner of world 1 next to a live default process
+    # group would still take part in the logprob passes' collectives.
+    single = _learner(tiny_model, *extra)
+    expected, states = [], []
+    for groups in batches:
+        expected.append(single.step(groups))
+        states.append({k: v.clone() for k, v in single.model.state_dict().items()})
+    dist = _distributed(tiny_model, single)
+    try:
+        for model in (dist.local.model, dist.local.reference):
+            assert model is None or all(isinstance(p, DTensor) for p in model.parameters())
+        for groups, m_single in zip(batches[:2], expected, strict=False):
+            m_dist = dist.step(groups)
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+                if key in m_single or key in m_dist:
+                    assert m_dist[key] == pytest.approx(m_single[key], abs=1e-5), key
+        _assert_same_weights(dist, states[1])
+        # a synchronous sharded save: the DCP shards and the HF export hold the same weights
+        saved = Checkpointer(tmp_path, ["model", "optimizer"]).save(2, dist, {})
+        resumed = _learner(tiny_model, *extra)
+        Checkpointer.open(saved).apply(resumed, {"model", "optimizer"})
+        exported = type(single.model).from_pretrained(saved / "hf")
+        for name, tensor in states[1].items():
+            torch.testing.assert_close(resumed.model.state_dict()[name], tensor, msg=name)
+            torch.testing.assert_close(exported.state_dict()[name], tensor, msg=name)
+        # per-rank parameters + optimizer state: rank 0 holds the larger half of odd splits
+        assert _state_bytes(dist.local) <= 0.55 * _state_bytes(single)
+        # a weight-sync consumer that stops early: the ranks still finish the same gathers
+        tensors = dist.weights_for_sync()
+        next(tensors)
+        tensors.close()
+        m_dist = dist.step(batches[2])
+        assert m_dist["actor/pg_loss"] == pytest.approx(expected[2]["actor/pg_loss"], abs=1e-5)
+        _assert_same_weights(dist, states[2])
+    finally:
+        dist.close()
+
+
+def test_sharded_checkpoint_resumes_onto_one_and_two_ranks(tiny_model, tmp_path):
+    """1 process → 2 ranks, then 2 ranks → a sharded checkpoint (written in the background
+    while the next step trains) → 1 process and → 2 ranks: each resumed learner takes the
+    next step exactly as the uninterrupted one did (weights and optimizer state restored)."""
+    contents = ["model", "optimizer"]
+    batches = [_groups(seed=s) for s in range(3)]
+    single = _learner(tiny_model)
+    single.step(batches[0])
+    full = Checkpointer(tmp_path / "one", contents).save(1, single, {})
+    single.step(batches[1])
+
+    dist = _distributed(tiny_model, _learner(tiny_model))
+    try:
+        Checkpointer.open(full).apply(dist, set(contents))  # 1 → 2
+        dist.step(batches[1])
+        _assert_same_weights(dist, single.model.state_dict())
+        ckpt = Checkpointer(tmp_path / "two", contents, async_save=True)
+        sharded = ckpt.save(2, dist, {})
+        dist.step(batches[2])  # trains on while the shards are written
+        ckpt.wait()
+        expected = {k: v.clone() for k, v in dist.weights_for_sync()}
+    finally:
+        dist.close()
+
+    state = torch.load(sharded / "learner.pt", weights_only=True)
+    assert state["model"] == state["optimizer"] == "sharded" and state["version"] == 2
+    hf = json.loads((sharded / "hf" / "config.json").read_text())
+    assert hf["architectures"] == [type(single.model).__name__]
+
+    resumed = _learner(tiny_model)  # 2 → 1
+    Checkpointer.open(sharded).apply(resumed, set(contents))
+    assert resumed.version == 2
+    resumed.step(batches[2])
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    again = _distributed(tiny_model, _learner(tiny_model))  # 2 → 2
+    try:
+        Checkpointer.open(sharded).apply(again, set(contents))
+        again.step(batches[2])
+        _assert_same_weights(again, resumed.model.state_dict())
+    finally:
+        again.close()
+
+    (sharded / "learner" / ".metadata").unlink()  # a torn sharded save is not a checkpoint
+    with pytest.raises(IncompleteCheckpoint, match="metadata"):
+        Checkpointer.open(sharded)
+
+
+# -- actor.checkpoint.async_save ------------------------------------------------------------
+def _blocking_writer(monkeypatch, log: list[str], release=None, fail_on: int | None = None):
+    """Make the learner.pt write (the edge: the disk) log its start and end, wait for `release`
+    and raise for the save of version `fail_on`."""
+    import asyncrl.checkpoint as checkpoint
+
+    original = checkpoint.save_learner_file
+
+    def write(state, path):
+        log.append(f"start {state['version']}")
+        if release is not None:
+            assert release.wait(timeout=60), "the test never released the write"
+        if state["version"] == fail_on:
+            raise OSError("No space left on device")
+        original(state, path)
+        log.append(f"end {state['version']}")
+
+    monkeypatch.setattr(checkpoint, "save_learner_file", write)
+
+
+def test_async_save_returns_before_the_write_and_keeps_the_snapshot(
+    tiny_model, tmp_path, monkeypatch
+):
+    import threading
+
+    learner, log, release = _learner(tiny_model), [], threading.Event()
+    learner.step(_groups(seed=0))
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    _blocking_writer(monkeypatch, log, release)
+    ckpt = Checkpointer(tmp_path, ["model", "optimizer"], async_save=True)
+    path = ckpt.save(1, learner, {})  # returns while the write waits on `release`
+    assert not path.exists() and not (ckpt.root / "latest").exists()
+    learner.step(_groups(seed=1))  # the loop trains on meanwhile
+    release.set()
+    ckpt.wait()
+    assert log == ["start 1", "end 1"] and (ckpt.root / "latest").read_text() == path.name
+    resumed = _learner(tiny_model)
+    Checkpointer.open(path).apply(resumed, {"model", "optimizer"})
+    for name, tensor in resumed.model.state_dict().items():  # the weights at save time
+        torch.testing.assert_close(tensor, before[name], msg=name)
+    assert resumed.version == 1
+
+
+def test_async_saves_run_one_at_a_time(tiny_model, tmp_path, monkeypatch):
+    import threading
+
+    learner, log, release = _learner(tiny_model), [], threading.Event()
+    _blocking_writer(monkeypatch, log, release)
+    ckpt = Checkpointer(tmp_path, ["model"], async_save=True)
+    learner.version = 1
+    ckpt.save(1, learner, {})
+    learner.version = 2
+    second = threading.Thread(target=ckpt.save, args=(2, learner, {}))
+    second.start()  # waits in save() for the first write
+    release.set()
+    second.join(timeout=60)
+    ckpt.wait()
+    assert log == ["start 1", "end 1", "start 2", "end 2"]
+    assert [p.name for p in ckpt.step_dirs()] == ["step_2", "step_1"]
+
+
+def test_failed_async_save_keeps_the_previous_checkpoint_and_surfaces(
+    tiny_model, tmp_path, monkeypatch
+):
+    from asyncrl.checkpoint import CheckpointSaveError
+
+    learner, log = _learner(tiny_model), []
+    _blocking_writer(monkeypatch, log, fail_on=2)
+    ckpt = Checkpointer(tmp_path, ["model"], async_save=True)
+    learner.version = 1
+    ckpt.save(1, learner, {})
+    learner.version = 2
+    ckpt.save(2, learner, {})  # fails in the background: nothing raised here yet
+    with pytest.raises(CheckpointSaveError, match="No space left on device") as failed:
+        ckpt.wait()  # the end of the run (or the next save) raises it, in one line
+    assert "\n" not in str(failed.value)
+    assert (ckpt.root / "latest").read_text() == "step_1"
+    assert [p.name for p in ckpt.step_dirs()] == ["step_1"]
+    assert Checkpointer.open(ckpt.root / "step_1").state["version"] == 1
+    learner.version = 3
+    ckpt.save(3, learner, {})  # an error already raised is not raised again
+    ckpt.wait()
+    assert (ckpt.root / "latest").read_text() == "step_3"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["actor_train.strategy_args.strategy_config.offload_params=true"], "nothing to offload"),
+        (["actor_train.strategy_args.strategy_config.offload_optimizer=1"], "true or false"),
+        (["actor_train.model_args.lora_rank=4", "actor_train.device_mapping=[0,1]"], "LoRA"),
+    ],
+)
+def test_config_refuses_what_fsdp2_cannot_honour(overrides, message):
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config.validate import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, overrides))
