@@ -109,9 +109,12 @@ def check_inputs(cfg: Any) -> None:
 
 
 def bench_scripts() -> dict[str, Path]:
-    """`asyncrl bench` name → script: every bench/*.py except the shared helpers."""
+    """`asyncrl bench` name → script: every bench/*.py except the shared helpers (common.py,
+    and modules named `_*.py`, parts of a bench)."""
     return {
-        p.stem.replace("_", "-"): p for p in sorted(BENCH_DIR.glob("*.py")) if p.stem != "common"
+        p.stem.replace("_", "-"): p
+        for p in sorted(BENCH_DIR.glob("*.py"))
+        if p.stem != "common" and not p.stem.startswith("_")
     }
 
 

@@ -154,6 +154,12 @@ def prepare_megatron_imports(device: DeviceSpec) -> None:
             ) from None
 
 
+def worker_device(mapping: list[int], kind: str) -> str:
+    """The torch device of a one-process worker: `<kind>:<first id>` on an accelerator when the
+    worker names devices (`device_mapping`), else the CPU."""
+    return f"{kind}:{mapping[0]}" if mapping and kind != "cpu" else "cpu"
+
+
 def torch_dtype(name: str) -> Any:
     """The torch dtype of a config's `model_args.dtype` name (fp32 | bf16 | fp16)."""
     import torch

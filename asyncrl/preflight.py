@@ -58,6 +58,15 @@ def missing_pieces(cfg: Any, device_kind: str) -> list[str]:
                 f"{', '.join(absent)} (pip install 'asyncrl[megatron]'"
                 f"{'; on Ascend also asyncrl[npu]' if device_kind == 'npu' else ''})"
             )
+    train = cfg.actor_train
+    ranks = len(train.device_mapping)
+    if train.strategy_args.strategy_name == "fsdp2_train" and ranks > 1 and device_kind != "cpu":
+        # FSDP2's ranks are gloo processes here: on an accelerator they would train on the CPU
+        missing.append(
+            f"actor_train.device_mapping: fsdp2_train over {ranks} devices shards across CPU "
+            f"ranks (gloo) in this version, not {device_kind} ones: give it one device or use "
+            "megatron_train"
+        )
     return missing
 
 

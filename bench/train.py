@@ -12,8 +12,14 @@ attention ignored) / step time / the GPU's dense bf16 peak.
 
 On the CPU every path runs on `--threads` torch threads (default 1: stable on a shared box).
 
+Then the scale parts (bench/_train_scale.py): packed (`use_dynamic_bsz`, `--budget` real tokens
+per micro-batch) vs padded learner on a log-normal long-tail length distribution, real tokens/s
+and the padded batch's padding fraction (target packed >= 1.5x); the packed learner vs a bare
+packed fwd+bwd of the same real tokens (target >= 0.9x); FSDP2 on 2 CPU ranks vs 1 process,
+rank 0's parameter + gradient + optimizer bytes (target <= 0.55x) and the step time.
+
     asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 2]
-                        [--threads 1]
+                        [--threads 1] [--budget 2048]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _train_scale as scale
 import numpy as np
 import torch
 from common import (
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=8, help="per-device micro-batch rows")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
+    parser.add_argument("--budget", type=int, default=2048, help="packed tokens per micro-batch")
     add_threads_flag(parser)
     args = parser.parse_args(argv)
     groups_n = args.groups or (2 if args.smoke else 8)
@@ -188,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         vocab = _vocab(model_dir)
         with torch_threads(args.threads):
             m = measure(model_dir, make_groups(groups_n, n, resp, vocab), args.micro, repeats)
+            ragged = scale.ragged_groups(groups_n, n, resp, vocab)
+            pk = scale.measure_packing(model_dir, ragged, args.micro, args.budget, repeats)
+            fs = scale.measure_fsdp(model_dir, make_groups(groups_n, n, resp, vocab), args.micro,
+                                    repeats)  # fmt: skip
     rows = _rows(m)
     print_table(
         f"learner step, {m['rows']} sequences x {m['padded_width']} (padded), "
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         [[r["path"], r["seconds"], r["trained_tokens_per_s"], r["processed_tokens_per_s"],
           r["x_raw"], r["gflops"], r["mfu"]] for r in rows],
     )  # fmt: skip
+    _print_scale(pk, fs)
     main_row = rows[0]
     result = {
         **{k: v for k, v in m.items() if k != "seconds"},
@@ -204,11 +217,34 @@ def main(argv: list[str] | None = None) -> int:
         "headline": {
             "learner_trained_tokens_per_s": headline(main_row["trained_tokens_per_s"], True, "tok/s"),
             "learner_vs_raw": headline(main_row["x_raw"], True, "x"),
+            "packed_vs_padded": headline(pk["tokens_per_s"]["packed"] / pk["tokens_per_s"]["padded"], True, "x"),
+            "packed_learner_vs_bare": headline(pk["seconds"]["bare_packed"] / pk["seconds"]["packed"], True, "x"),
+            "fsdp2_state_per_rank_ratio": headline(fs["state_ratio"], False, "x"),
         },
+        "packing": pk, "fsdp2": fs,
     }  # fmt: skip
     if main_row["mfu"] is not None:
         result["headline"]["mfu"] = headline(main_row["mfu"], True, "")
     return finish("train", result, args, _plot(rows), argv)
+
+
+def _print_scale(pk: dict[str, Any], fs: dict[Any, Any]) -> None:
+    t = pk["tokens_per_s"]
+    print_table(
+        f"packed vs padded: {pk['rows']} rows, lengths median {pk['median_len']:.0f} max "
+        f"{pk['max_len']} (log-normal), padding {100 * pk['pad_fraction']:.0f} % of the padded batch",
+        ["path", "s/step", "real tok/s", "x padded", "target"],
+        [["learner padded", pk["seconds"]["padded"], t["padded"], 1.0, ""],
+         ["learner packed", pk["seconds"]["packed"], t["packed"], t["packed"] / t["padded"], ">= 1.5x"],
+         ["bare packed fwd+bwd", pk["seconds"]["bare_packed"], t["bare_packed"],
+          t["bare_packed"] / t["padded"], "learner >= 0.9x bare"]],
+    )  # fmt: skip
+    print_table(
+        "FSDP2: 2 CPU ranks (gloo) vs 1 process, rank 0's params + grads + optimizer state",
+        ["ranks", "s/step", "state MB", "x 1 process", "target"],
+        [[1, fs[1]["seconds"], fs[1]["state_bytes"] / 1e6, 1.0, ""],
+         [2, fs[2]["seconds"], fs[2]["state_bytes"] / 1e6, fs["state_ratio"], "<= 0.55x"]],
+    )  # fmt: skip
 
 
 def _vocab(model_dir: Path) -> int:

@@ -93,6 +93,9 @@ def dimensions() -> list[Dimension]:
         Dimension("algorithm.use_kl_in_reward", (False, True)),
         Dimension("async.max_staleness", (0, 1, 2)),
         Dimension("actor_train.model_args.lora_rank", (0, 8)),
+        Dimension("actor.use_dynamic_bsz", (False, True)),
+        # FSDP2 over 2 CPU ranks (gloo): fsdp2_train's sharded learner
+        Dimension("actor_train.device_mapping", ("[]", "[0,1]")),
         Dimension("algorithm.adv_estimator", names.ADV_ESTIMATORS),
         Dimension("actor.policy_loss.loss_mode", names.LOSS_MODES),
         Dimension("actor.loss_agg_mode", names.LOSS_AGG_MODES),
@@ -148,6 +151,8 @@ def requirements(path: str, value: Any) -> dict[str, Any]:
         return KL_IN_REWARD
     if path.startswith("weight_sync.lora_sync") and value != "auto":
         return {"actor_train.model_args.lora_rank": 8}
+    if path == "actor.profiler.tool" and value == "torch":  # a trace of step 1
+        return {"actor.profiler.enable": True, "actor.profiler.steps": "[1]"}
     if path == "async.stale_policy" and value == "correct":  # IS that corrects a whole response
         return {"algorithm.rollout_is_level": AnyOf(("geometric", "sequence"))}
     if section == "reference" and path != "reference":

@@ -136,8 +136,8 @@ def _seen(rows, key) -> list:
     return [r.get(key) for r in rows]
 
 
-def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """What each chosen value promises, read from the run's metrics."""
+def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) -> None:
+    """What each chosen value promises, read from the run's metrics (and files in `out`)."""
     assert len(rows) == STEPS and rows[-1]["version"] == STEPS  # the loop ran and synced
     assert _finite(rows, "actor/pg_loss") and _finite(rows, "actor/grad_norm")
     adv = _seen(rows, "learner/adv_max") + _seen(rows, "learner/adv_min")
@@ -173,6 +173,16 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         assert all(
             b > 0.9 * Models.full_bytes if merged else b < 0.5 * Models.full_bytes for b in sent
         ), sent
+    if choice.get("actor.use_dynamic_bsz"):  # packed: no padded token in a training forward
+        assert all(r["learner/padding_frac"] == 0.0 for r in rows)
+    elif "actor.use_dynamic_bsz" in choice:
+        assert all(r["learner/padding_frac"] > 0.0 for r in rows), _seen(
+            rows, "learner/padding_frac"
+        )
+    if choice.get("actor.profiler.tool") == "torch" and out is not None:
+        assert json.loads((out / "profile" / "step_1.json").read_text())["traceEvents"]
+    ranks = 2 if choice.get("actor_train.device_mapping") == "[0,1]" else 1
+    assert all(r.get("learner/world_size", 1.0) == ranks for r in rows)
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
 
@@ -186,7 +196,7 @@ def test_planned_runs_train(matrix, tmp_path):
         cfg = load_config(None, [*to_overrides(choice), f"output_dir={out}"])
         try:
             run(cfg)
-            check_effects(choice, _rows(out))
+            check_effects(choice, _rows(out), out)
         except Exception as e:
             raise AssertionError(f"run {i} {choice}: {type(e).__name__}: {e}") from e
 

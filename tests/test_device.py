@@ -102,3 +102,23 @@ def test_prepare_megatron_imports_names_missing_packages():
 def test_device_module_does_not_import_torch():
     out = _run("import sys, asyncrl.device; print('torch' in sys.modules)")
     assert out.stdout.strip() == "False", out
+
+
+def test_a_one_process_learner_trains_on_its_first_device_where_there_is_one():
+    from asyncrl.device import worker_device
+
+    assert worker_device([3, 4], "cuda") == "cuda:3"
+    assert worker_device([0], "npu") == "npu:0"
+    assert worker_device([], "cuda") == "cpu"  # no devices named: the CPU
+    assert worker_device([0, 1], "cpu") == "cpu"  # a CPU box: device ids are ranks only
+
+
+def test_fsdp2_over_several_accelerators_is_refused_before_anything_starts():
+    from asyncrl.config import load_config
+    from asyncrl.preflight import missing_pieces
+
+    cfg = load_config(None, ["actor_train.device_mapping=[0,1]"])
+    assert missing_pieces(cfg, "cpu") == []  # gloo ranks on the CPU: what FSDP2 runs here
+    (line,) = missing_pieces(cfg, "cuda")
+    assert line.startswith("actor_train.device_mapping: fsdp2_train over 2 devices")
+    assert missing_pieces(load_config(None, ["actor_train.device_mapping=[0]"]), "cuda") == []

@@ -378,3 +378,35 @@ def test_validation_of_the_packing_keys():
         )
     assert "\n" not in str(info.value)
     assert load_config(None, ["actor.use_dynamic_bsz=true"]).actor.use_dynamic_bsz
+
+
+def _critic(model_dir, packed: bool):
+    from asyncrl.learner.torch.critic import build_critic
+
+    cfg = load_config(None, [
+        "actor.optim.name=sgd", f"critic.model_args.model_name_or_path={model_dir}",
+        "critic.training_args.learning_rate=0.1", "critic.training_args.max_grad_norm=0",
+        "critic.training_args.per_device_train_batch_size=2", "critic.infer_batch_size=2",
+        "critic.model_args.disable_gradient_checkpointing=true", "algorithm.adv_estimator=gae",
+        f"actor.use_dynamic_bsz={str(packed).lower()}", "actor.ppo_max_token_len_per_gpu=24",
+    ])  # fmt: skip
+    torch.manual_seed(0)
+    return build_critic(cfg.critic, model_dir, cfg.actor, cfg.algorithm, "cpu", total_steps=10)
+
+
+def test_packed_critic_values_and_update_equal_padded(tiny_model):
+    """The value pass and the critic's update run packed with `use_dynamic_bsz`: the same
+    values, loss and updated weights as the padded passes."""
+    data = collate(_groups(long_row=True), 0).to_torch()
+    data["response_mask"] = data["response_mask"].float()
+    padded, packed = _critic(tiny_model, False), _critic(tiny_model, True)
+    assert packed.settings.pack_budget == 24 and padded.settings.pack_budget is None
+    v_pad, v_pack = padded.values(data), packed.values(data)
+    torch.testing.assert_close(v_pack, v_pad, atol=1e-6, rtol=0)
+    returns = v_pad + torch.linspace(-1, 1, v_pad.shape[1])  # something to regress toward
+    mask = data["response_mask"]
+    m_pad = padded.update(data, v_pad, returns, mask)
+    m_pack = packed.update(data, v_pack, returns, mask)
+    assert m_pack["critic/vf_loss"] == pytest.approx(m_pad["critic/vf_loss"], abs=1e-6)
+    for (name, a), b in zip(padded.model.state_dict().items(), packed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=name)

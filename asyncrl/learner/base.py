@@ -49,8 +49,12 @@ def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
 
         return DistributedTorchLearner(world_size, **kwargs)
     if name == "fsdp2_train":
+        from asyncrl.device import detect_device, worker_device
         from asyncrl.learner.torch.learner import TorchLearner
 
+        # On a GPU/NPU machine the learner trains on its device_mapping's first device.
+        kind = detect_device().kind
+        kwargs.setdefault("device", worker_device(list(kwargs["train"].device_mapping), kind))
         return TorchLearner(**kwargs)
     if name == "megatron_train":
         from asyncrl.learner.megatron.learner import MegatronLearner  # type: ignore[import-not-found]

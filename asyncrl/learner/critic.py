@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.algo.agg import agg_loss, masked_mean, masked_sum
+from asyncrl.learner import packing
 from asyncrl.learner.reference import vocab_size
 
 Batch = dict[str, torch.Tensor]
@@ -75,6 +76,7 @@ class CriticSettings:
     infer_batch_size: int = 4
     max_grad_norm: float = 1.0  # 0: no clipping
     shuffle: bool = False
+    pack_budget: int | None = None  # actor.use_dynamic_bsz: packed passes of this many tokens
 
 
 def critic_model_path(model_name_or_path: str, actor_path: str | Path) -> Path:
@@ -141,8 +143,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, data: Batch) -> torch.Tensor:
-        """[B, R] values of the response tokens' states (see the module docstring)."""
+    def forward(self, data: Batch, packed: bool = False) -> torch.Tensor:
+        """[B, R] values of the response tokens' states (see the module docstring); `packed`:
+        from one forward of the rows' real tokens (`packing.packed_hidden_states`)."""
+        if packed:
+            return self.value_head(packing.packed_hidden_states(self.trunk, data)).squeeze(-1)
         resp_len = data["response_mask"].shape[1]
         prompt_len = data["input_ids"].shape[1] - resp_len
         hidden = self.trunk(
@@ -172,9 +177,19 @@ class TorchCritic:
     def values(self, data: Batch) -> torch.Tensor:
         self.model.eval()
         rows, size = data["input_ids"].shape[0], self.settings.infer_batch_size
-        parts = [self.model(_rows(data, torch.arange(s, min(rows, s + size))))
-                 for s in range(0, rows, size)]  # fmt: skip
-        return torch.cat(parts, dim=0) * data["response_mask"]
+        out = torch.zeros_like(data["response_mask"], dtype=torch.float32)
+        for idx in self._passes(data, torch.arange(rows), size):
+            out[idx] = self.model(_rows(data, idx), self.settings.pack_budget is not None)
+        return out * data["response_mask"]
+
+    def _passes(self, data: Batch, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+        """`rows` in passes of `size` rows, or packed under the token budget (the critic runs
+        in one process: no other rank to match)."""
+        budget = self.settings.pack_budget
+        if budget is None:
+            return [rows[i : i + size] for i in range(0, len(rows), size)]
+        lengths = packing.real_lengths(data["attention_mask"][rows])
+        return [rows[torch.tensor(p, dtype=torch.long)] for p in packing.partition(lengths, budget)]
 
     def update(
         self, data: Batch, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
@@ -206,10 +221,9 @@ class TorchCritic:
         self.optimizer.zero_grad(set_to_none=True)
         tokens = target["mask"][rows].sum().clamp(min=1.0)
         sums = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
-        for i in range(0, len(rows), s.micro_batch_size):
-            idx = rows[i : i + s.micro_batch_size]
+        for idx in self._passes(data, rows, s.micro_batch_size):
             mask = target["mask"][idx]
-            vpreds = self.model(_rows(data, idx))
+            vpreds = self.model(_rows(data, idx), s.pack_budget is not None)
             loss, clipfrac = value_loss(
                 vpreds, target["returns"][idx], target["values"][idx], mask,
                 s.cliprange_value, s.loss_agg_mode, num_tokens=tokens, num_seqs=len(rows),

@@ -44,5 +44,6 @@ def build_critic(
         infer_batch_size=section.infer_batch_size,
         max_grad_norm=targs.max_grad_norm,
         shuffle=actor.shuffle,
+        pack_budget=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
     )
     return TorchCritic(model, opt, lr_factor(targs, optim, total_steps), settings)

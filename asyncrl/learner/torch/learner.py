@@ -138,6 +138,7 @@ class TorchLearner:
         data = collate(groups, self.pad_id).to_torch(self.device)
         data["response_mask"] = data["response_mask"].float()
         total_rows = data["input_ids"].shape[0]
+        pad = 1.0 - float(data["attention_mask"].float().mean())
         warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
         reuse = not warmup and obj.prox_from_training_forward(
             self.algorithm, self.actor, total_rows, self.stochastic_forward
@@ -165,6 +166,8 @@ class TorchLearner:
                 "learner/lr": self.scheduler.get_last_lr()[0],
                 "learner/tokens": float(data["response_mask"].sum()),
                 "learner/sequences": float(data["response_mask"].shape[0]),
+                # share of the training forwards' tokens that are padding (0: packed)
+                "learner/padding_frac": 0.0 if self.actor.use_dynamic_bsz else pad,
             }
         )
         return metrics
