@@ -13,13 +13,14 @@ attention ignored) / step time / the GPU's dense bf16 peak.
 On the CPU every path runs on `--threads` torch threads (default 1: stable on a shared box).
 
 Then the scale parts (bench/_train_scale.py): packed (`use_dynamic_bsz`, `--budget` real tokens
-per micro-batch) vs padded learner on a log-normal long-tail length distribution, real tokens/s
+per micro-batch; on the CPU the packed attention mask is dense, so a micro-batch's attention
+costs budget², hence the small default) vs padded learner on a log-normal long-tail length distribution, real tokens/s
 and the padded batch's padding fraction (target packed >= 1.5x); the packed learner vs a bare
 packed fwd+bwd of the same real tokens (target >= 0.9x); FSDP2 on 2 CPU ranks vs 1 process,
 rank 0's parameter + gradient + optimizer bytes (target <= 0.55x) and the step time.
 
     asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 2]
-                        [--threads 1] [--budget 2048]
+                        [--threads 1] [--budget 512]
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=8, help="per-device micro-batch rows")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
-    parser.add_argument("--budget", type=int, default=2048, help="packed tokens per micro-batch")
+    parser.add_argument("--budget", type=int, default=512, help="packed tokens per micro-batch")
     add_threads_flag(parser)
     args = parser.parse_args(argv)
     groups_n = args.groups or (2 if args.smoke else 8)

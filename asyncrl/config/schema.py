@@ -368,7 +368,10 @@ class ActorConfig:
     as the padded path (the loss normalisation does not depend on the packing)."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one packed micro-batch per device with `use_dynamic_bsz` (> 0); a
-    sequence longer than the budget gets a micro-batch of its own."""
+    sequence longer than the budget gets a micro-batch of its own. The default suits
+    flash-attention's varlen kernel on a GPU; on the CPU (sdpa/eager) the packed sequences'
+    block-diagonal mask is dense, attention costs budget² per micro-batch: a few hundred to a
+    few thousand tokens (`asyncrl bench train`: 512 gives 2.5x the padded path, 2048 1.3x)."""
     shuffle: bool = False
     """Shuffle sequences across mini-batches each epoch."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
