@@ -95,12 +95,14 @@ def test_bench_help_and_bare_bench_list_every_bench(capsys):
     expected = {
         p.stem.replace("_", "-"): ast.get_docstring(ast.parse(p.read_text())).splitlines()[0]
         for p in BENCH.glob("*.py")
-        if p.stem != "common"
+        if p.stem != "common" and not p.stem.startswith("_")  # `_*.py`: parts of a bench
     }
+    assert "train" in expected and "-train-scale" not in expected
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])
     assert exit_info.value.code == 0
     listed = _listed(capsys.readouterr().out)
     assert {k: listed.get(k) for k in expected} == expected
+    assert not any(k.startswith("-") for k in listed)  # a bench's helper module is not a bench
     assert main(["bench"]) == 2
     assert {k: v for k, v in _listed(capsys.readouterr().out).items() if k in expected} == expected
