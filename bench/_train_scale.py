@@ -27,17 +27,32 @@ PROMPT_LEN = 32
 def ragged_groups(groups: int, n: int, resp_len: int, vocab: int, seed: int = 0) -> list:
     """Response lengths log-normal (median resp_len / 4, sigma 1: a long tail, as RL responses
     have), clipped to [4, 4 · resp_len]."""
+
+    def lengths(rng: np.random.Generator) -> np.ndarray:
+        return np.clip(rng.lognormal(np.log(max(4, resp_len // 4)), 1.0, n), 4, 4 * resp_len)
+
+    return synthetic_groups(groups, vocab, lengths, "ragged", seed)
+
+
+def synthetic_groups(
+    groups: int,
+    vocab: int,
+    draw_lengths: Callable[[np.random.Generator], np.ndarray],
+    name: str,
+    seed: int = 0,
+) -> list:
+    """Groups of random tokens (prompts of PROMPT_LEN), response lengths from `draw_lengths`."""
     from asyncrl.types import TrajectoryGroup
 
     rng = np.random.default_rng(seed)
     out = []
     for gi in range(groups):
-        raw = rng.lognormal(np.log(max(4, resp_len // 4)), 1.0, n)
-        lengths = np.clip(raw, 4, 4 * resp_len).astype(np.int32)
+        lengths = draw_lengths(rng).astype(np.int32)
+        n = len(lengths)
         total = int(lengths.sum())
         adv = rng.standard_normal(n).astype(np.float32)
         out.append(TrajectoryGroup(
-            group_id=f"ragged-{gi}", prompt_ids=rng.integers(4, vocab, PROMPT_LEN),
+            group_id=f"{name}-{gi}", prompt_ids=rng.integers(4, vocab, PROMPT_LEN),
             response_lengths=lengths, response_ids=rng.integers(4, vocab, total),
             rollout_logprobs=-rng.exponential(1.0, total).astype(np.float32),
             loss_mask=np.ones(total, np.uint8), versions=np.zeros(total, np.int32),

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import _train_scale as scale
-import numpy as np
 import torch
 from common import (
     add_threads_flag,
@@ -45,7 +44,6 @@ from common import (
 
 from asyncrl.device import torch_threads
 
-PROMPT_LEN = 32
 FULL_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded
 SMOKE_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
@@ -53,23 +51,10 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A8
 
 
 def make_groups(groups: int, n: int, resp_len: int, vocab: int, seed: int = 0) -> list:
-    from asyncrl.types import TrajectoryGroup
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for gi in range(groups):
-        lengths = rng.integers(resp_len // 2, resp_len + 1, n).astype(np.int32)
-        total = int(lengths.sum())
-        adv = rng.standard_normal(n).astype(np.float32)
-        out.append(TrajectoryGroup(
-            group_id=f"bench-{gi}", prompt_ids=rng.integers(4, vocab, PROMPT_LEN),
-            response_lengths=lengths, response_ids=rng.integers(4, vocab, total),
-            rollout_logprobs=-rng.exponential(1.0, total).astype(np.float32),
-            loss_mask=np.ones(total, np.uint8), versions=np.zeros(total, np.int32),
-            rewards=rng.random(n).astype(np.float32), finish_reasons=["length"] * n,
-            advantages=np.repeat(adv, lengths),
-        ))  # fmt: skip
-    return out
+    """Response lengths uniform in [resp_len / 2, resp_len]."""
+    return scale.synthetic_groups(
+        groups, vocab, lambda rng: rng.integers(resp_len // 2, resp_len + 1, n), "bench", seed
+    )
 
 
 def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str):

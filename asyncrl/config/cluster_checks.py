@@ -4,24 +4,15 @@ ConfigError line naming the key: a multi-node run whose parts would bind or adve
 
 from __future__ import annotations
 
-import ipaddress
 import math
 
 from asyncrl.config.schema import Config, ConfigError
+from asyncrl.net import is_loopback
 
 #: Bind addresses meaning every interface (each node's engines are reached at its address).
 WILDCARDS = ("0.0.0.0", "::", "[::]")
 #: Resources asyncrl sets itself in an engine's bundle.
 OWN_RESOURCES = ("CPU", "GPU")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_cluster(cfg: Config) -> None:
@@ -61,7 +52,7 @@ def _check_multinode(cfg: Config) -> None:
             f"{what}: cluster.bind_host {cl.bind_host!r} cannot be bound on every node: "
             "set 0.0.0.0 (each engine is then reached at its node's address)"
         )
-    if _loopback(cfg.rollout.transport_host):
+    if is_loopback(cfg.rollout.transport_host):
         raise ConfigError(
             f"{what}: rollout.transport_host {cfg.rollout.transport_host!r} is loopback, "
             "rollout workers on other nodes cannot reach it: set 0.0.0.0 or this node's address"
