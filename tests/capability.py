@@ -18,6 +18,7 @@ So a value added to the schema gets a case the day it is added: it is refused, o
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -68,7 +69,7 @@ def _dataclass_of(tp: Any) -> type | None:
 def literal_fields(cls: type = Config, prefix: str = "") -> Iterator[Dimension]:
     """Every Literal-typed field reachable from `cls` (lists of dataclasses are skipped: their
     enumerations are name tables, below)."""
-    hints = typing.get_type_hints(cls, vars(schema_mod))
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))  # its own module
     for f in dataclasses.fields(cls):
         key = schema_mod.FIELD_ALIASES.get(f.name, f.name)
         path = f"{prefix}{key}"
