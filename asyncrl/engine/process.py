@@ -11,19 +11,16 @@ Engine processes never outlive the driver that started them, however it ends:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
 API_KEY_ENV = "ASYNCRL_API_KEY"
 """The environment variable that hands asyncrl's hf server its API key (never its argv)."""
 
@@ -32,34 +29,18 @@ class EngineLaunchError(RuntimeError):
     """An engine server process died or never became healthy."""
 
 
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the child get SIGKILL when this process dies (Linux); None
-    elsewhere. Everything is looked up here, before the fork: the hook itself only calls."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    prctl = libc.prctl
-    parent = os.getpid()
-    kill, getppid, me = os.kill, os.getppid, os.getpid
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if getppid() != parent:  # the parent died before the request took effect
-            kill(me(), signal.SIGKILL)
-
-    return hook
-
-
 def popen(cmd: Sequence[str], env: Mapping[str, str], log: IO[bytes]) -> subprocess.Popen:
-    """Start an engine server: output to `log`, its own process group, dies with us."""
+    """Start an engine server: output to `log`, its own process group, dies with us (the
+    `deathsig` wrapper sets that up and execs the command: no Python runs between fork and
+    exec here, which a process with many threads must avoid)."""
+    wrapped = [sys.executable, "-m", "asyncrl.engine.deathsig", str(os.getpid()), *cmd]
     return subprocess.Popen(
-        list(cmd),
+        wrapped,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         env=dict(env),
         process_group=0,
-        preexec_fn=_die_with_parent_hook(),
     )
 
 
