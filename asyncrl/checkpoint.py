@@ -113,18 +113,6 @@ def save_learner_file(state: dict[str, Any], path: Path) -> None:
     torch.save(state, path)
 
 
-def _cpu_copy(value: Any) -> Any:
-    """A copy of a (nested) learner state whose tensors are CPU copies: a snapshot that the
-    training steps after it (in-place updates) cannot change."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cpu_copy(v) for v in value)
-    return value
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)  # a directory too: that syncs its entries (renames)
     try:
@@ -288,8 +276,10 @@ class Checkpointer:
         with_optimizer = "optimizer" in self.save_contents
         if not with_optimizer:
             drop_optimizer(state)
-        if self.async_save:
-            state = _cpu_copy(state)
+        if self.async_save:  # a snapshot later in-place updates cannot change
+            from asyncrl.learner.torch.fsdp import stage_to_cpu
+
+            state = stage_to_cpu(state)
         shards = None
         if state.get("model") == SHARDED:
             shards = learner.save_sharded(tmp / SHARDED_DIR, self.async_save, with_optimizer)

@@ -27,8 +27,6 @@ from typing import Any
 
 import torch
 
-from asyncrl.learner import packing
-
 # The DCP directory inside a checkpoint that holds the sharded model and optimizer.
 SHARDED_DIR = "learner"
 
@@ -154,11 +152,6 @@ def mean_over_ranks(metrics: dict[str, float], world_size: int) -> dict[str, flo
     values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
     torch.distributed.all_reduce(values)
     return {k: float(v) / world_size for k, v in zip(keys, values, strict=True)}
-
-
-def max_over_ranks(count: int) -> int:
-    """The largest `count` of any rank (e.g. micro-batches: the ranks pad to it)."""
-    return packing.global_max(count)
 
 
 # -- checkpoints: torch.distributed.checkpoint (DCP) ------------------------------------------

@@ -26,7 +26,7 @@ from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.device import torch_dtype
 from asyncrl.learner import logprobs as lp
-from asyncrl.learner import lora
+from asyncrl.learner import lora, packing
 from asyncrl.learner import objective as obj
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
@@ -270,7 +270,7 @@ class TorchLearner:
         sums: dict[str, float] = {}
         # Sharded, every forward/backward is a collective: all ranks run as many passes (the
         # most any rank has), a rank out of rows runs zero-loss ones; gradients reduce on the last.
-        passes = fsdp.max_over_ranks(len(chunks)) if self.world_size > 1 else len(chunks)
+        passes = packing.global_max(len(chunks), self.world_size > 1)
         for i in range(passes):
             fsdp.set_gradient_sync(self.train_model, i == passes - 1)
             if i >= len(chunks):
