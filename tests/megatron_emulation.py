@@ -7,6 +7,7 @@ on a CPU box. The redirect is the edge that is faked; Megatron's TP/PP/DP logic 
 all run for real. Activation recompute is out of reach (it saves CUDA RNG states).
 
     python tests/megatron_emulation.py MODEL_DIR OUT_JSON TP PP [VOCAB] [EXTRA_JSON] [DTYPE]
+    python tests/megatron_emulation.py MODEL_DIR OUT_JSON learner
 
 compares the ranks (two unless EXTRA_JSON says) of `MegatronWorker` with `TorchLearner` (one
 process, fp32) on the same batch and writes the differences to OUT_JSON. EXTRA_JSON updates the
@@ -94,6 +95,7 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     lp = worker.logprobs(batch)
     metrics = worker.step(batch)
     weights = {n: t.float().clone() for n, t in worker.export()}
+    resumed = resume_gap(worker, batch, weights)
     # A checkpoint's way back in (every rank gets the full HF tensors and loads its shards,
     # chunk by chunk): the initial weights must score exactly as before the step.
     from asyncrl.learner.megatron.weights import HFCheckpoint
@@ -101,8 +103,73 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     initial = HFCheckpoint(model_dir)
     worker.load_hf({name: initial(name) for name in initial.where})
     reloaded = worker.logprobs(batch)
-    torch.save({"lp": lp, "metrics": metrics, "weights": weights, "reloaded": reloaded},
-               f"{out}/rank{rank}.pt")  # fmt: skip
+    torch.save({"lp": lp, "metrics": metrics, "weights": weights, "reloaded": reloaded,
+                "resumed": resumed}, f"{out}/rank{rank}.pt")  # fmt: skip
+
+
+def resume_gap(worker, batch, weights: dict) -> float | None:
+    """A second step, then the checkpoint's way back (weights + this rank's optimizer state
+    through a torch.save round trip, the schedule position) and the second step again: the
+    largest difference between the two second steps' weights (None off rank 0). Without the
+    optimizer state the moments and step count would be the second step's, not the first's."""
+    import io
+
+    full = [weights]  # every rank loads the full HF tensors; only rank 0 exported them
+    torch.distributed.broadcast_object_list(full, src=0)
+    weights = full[0]
+    saved = io.BytesIO()
+    torch.save(worker.optimizer_state(), saved)
+    lr_step = worker.lr_step
+    worker.step(batch)
+    second = {n: t.float().clone() for n, t in worker.export()}
+    worker.load_hf(weights)
+    saved.seek(0)
+    worker.load_optimizer_state(torch.load(saved, weights_only=True))
+    worker.lr_step = lr_step
+    worker.step(batch)
+    again = {n: t.float().clone() for n, t in worker.export()}
+    worker.load_hf(weights)  # back to the first step's weights for what follows
+    if not second:
+        return None
+    return max((again[n] - t).abs().max().item() for n, t in second.items())
+
+
+def learner_resume(model_dir: Path, out_json: Path) -> None:
+    """The learner-level checkpoint path on one rank (`MegatronLearner.state_dict` through
+    learner.pt and back): the step after a resume equals the step after the save; a state of
+    another layout is refused before anything loads; an older save (a bare optimizer state)
+    still loads."""
+    apply()
+    sys.path.insert(0, str(HERE / "gpu"))
+    import test_megatron_gpu as g
+
+    from asyncrl.checkpoint import save_learner_file
+    from asyncrl.device import SPECS
+    from asyncrl.learner.megatron.learner import MegatronLearner
+    from asyncrl.learner.megatron.optim_state import OptimizerLayoutError
+
+    _, cfg = g.configs(1, "[0]")
+    learner = MegatronLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
+                              device=SPECS["cpu"])  # fmt: skip
+    batch = g.groups()
+    learner.step(batch)
+    save_learner_file(learner.state_dict(), out_json.parent / "learner.pt")
+    state = torch.load(out_json.parent / "learner.pt", weights_only=True)
+    learner.step(batch)
+    second = dict(learner.weights_for_sync())
+    learner.load_state_dict(state)
+    learner.step(batch)
+    gap = max((t - second[n]).abs().max().item() for n, t in learner.weights_for_sync())
+    other = {**state, "optimizer": {**state["optimizer"], "layout": {
+        **state["optimizer"]["layout"], "tensor_model_parallel_size": 2}}}  # fmt: skip
+    try:
+        learner.load_state_dict(other)
+        refused = ""
+    except OptimizerLayoutError as e:
+        refused = str(e)
+    learner.load_state_dict({**state, "optimizer": state["optimizer"]["ranks"][0][0]["common"]})
+    learner.close()
+    out_json.write_text(json.dumps({"resumed_step_max_diff": gap, "refused": refused}))
 
 
 def tiny_variant(src: Path, dst: Path, vocab: int | None, tied: bool) -> Path:
@@ -133,6 +200,12 @@ def main() -> None:
     from asyncrl.net import free_port
     from asyncrl.types import collate
 
+    if sys.argv[3] == "learner":
+        work = Path(sys.argv[2]).parent / "work"
+        learner_resume(
+            tiny_variant(Path(sys.argv[1]), work / "model", None, True), Path(sys.argv[2])
+        )
+        return
     src, out_json, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     vocab = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
@@ -171,6 +244,7 @@ def main() -> None:
             (t - after[n].float()).abs().max().item() for n, t in ranks[0]["weights"].items()
         ),
         "silent_ranks_exported": [r for r in range(1, world) if ranks[r]["weights"]],
+        "resumed_step_max_diff": ranks[0]["resumed"],
     }
     out_json.write_text(json.dumps(result))
 

@@ -67,6 +67,23 @@ def test_two_ranks_match_the_torch_learner(tmp_path, tiny_model, case):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
     assert result["weight_max_diff"] < 1e-5
     assert result["reloaded_logprob_max_diff"] < 1e-6  # checkpoint weights load back, per chunk
+    # every rank's optimizer state (Adam moments, fp32 main params, step) resumes: the step
+    # after a resume equals the step that followed the save
+    assert result["resumed_step_max_diff"] < 1e-6
     assert not result["silent_ranks_exported"]  # only global rank 0 yields tensors
     assert "model.embed_tokens.weight" in result["exported"]
     assert ("lm_head.weight" in result["exported"]) == (pp == 2)  # tied when pp == 1
+
+
+@pytest.mark.slow
+def test_the_learner_resumes_its_optimizer_state_through_a_checkpoint_file(tmp_path, tiny_model):
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(HERE / "megatron_emulation.py"), str(tiny_model), str(out),
+           "learner"]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["resumed_step_max_diff"] < 1e-6
+    assert "tensor_model_parallel_size 2 -> 1" in result["refused"]

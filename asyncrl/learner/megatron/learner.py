@@ -36,6 +36,7 @@ class _RemoteRank:
     """Ray actor body: one Megatron rank that mirrors rank 0's calls."""
 
     def __init__(self, kwargs: dict, rank: int, world: int, init_method: str, kind: str) -> None:
+        self.rank = rank
         self.worker = MegatronWorker(**kwargs, rank=rank, world_size=world,
                                      init_method=init_method, device=device_spec(kind))  # fmt: skip
 
@@ -51,6 +52,12 @@ class _RemoteRank:
 
     def load_hf(self, named: dict) -> None:
         self.worker.load_hf(named)
+
+    def optimizer_state(self) -> list:
+        return self.worker.optimizer_state()
+
+    def load_optimizer_state(self, ranks: list) -> None:
+        self.worker.load_optimizer_state(ranks[self.rank])
 
 
 class MegatronLearner:
@@ -140,22 +147,38 @@ class MegatronLearner:
         save_hf(self.weights_for_sync(), self.model_path, Path(path))
 
     def state_dict(self) -> dict[str, Any]:
-        """Version, schedule position and the full HF-named weights. The optimizer state is
-        rank-local; it is kept for a single-rank run only."""
+        """Version, schedule position, the full HF-named weights, and every rank's optimizer
+        state with the layout it belongs to (rank-local: see `optim_state`)."""
         model = {n: t.detach().to("cpu") for n, t in self.weights_for_sync()}
         state = {"version": self.version, "lr_step": self.local.lr_step, "model": model}
-        if not self.remotes:
-            state["optimizer"] = self.local.optimizer.state_dict()
+        ranks = [self.local.optimizer_state()]
+        if self.remotes:  # no collectives: each rank copies its own shard's state
+            ranks += self._ray.get([r.optimizer_state.remote() for r in self.remotes])
+        state["optimizer"] = {"layout": self.local.optimizer_layout(), "ranks": ranks}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Weights first (every rank loads its shards), then each rank's optimizer state, whose
+        fp32 main parameters are more exact than the model's bf16 ones."""
+        from asyncrl.learner.megatron.optim_state import check_layout
+
+        optimizer = state.get("optimizer")
+        if optimizer is not None and "ranks" not in optimizer:  # an older single-rank save
+            optimizer = {"layout": None, "ranks": [[{"common": optimizer}]]}
+        if optimizer is not None:
+            check_layout(optimizer["layout"], self.local.optimizer_layout())  # before any load
+            if len(optimizer["ranks"]) != len(self.remotes) + 1:
+                check_layout({"world": len(optimizer["ranks"])}, {"world": len(self.remotes) + 1})
         if "model" in state:
             pending = self._mirror("load_hf", state["model"])
             self.local.load_hf(state["model"])
             if pending:
                 self._ray.get(pending)
-        if state.get("optimizer") is not None and not self.remotes:
-            self.local.optimizer.load_state_dict(state["optimizer"])
+        if optimizer is not None:
+            pending = self._mirror("load_optimizer_state", optimizer["ranks"])
+            self.local.load_optimizer_state(optimizer["ranks"][0])
+            if pending:
+                self._ray.get(pending)
         self.local.lr_step = int(state.get("lr_step", self.local.lr_step))
         self.version = int(state.get("version", self.version))
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -354,3 +355,24 @@ class MegatronWorker:
             for chunk, (offset, _) in zip(self.chunks, stage, strict=True):
                 load_hf_into(chunk, named.__getitem__, self.shape, self.built.te, offset)
         self.optimizer.reload_model_params()  # refresh the fp32 main copies from the model
+
+    def optimizer_layout(self) -> dict[str, Any]:
+        """The parallel layout this rank's optimizer state belongs to."""
+        from asyncrl.learner.megatron.optim_state import parallel_layout
+
+        distributed = bool(self.plan.ddp.get("use_distributed_optimizer"))
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return parallel_layout(self.plan.parallel, world, distributed)
+
+    def optimizer_state(self) -> list[dict[str, Any]]:
+        """This rank's optimizer state (its shard's), on the CPU."""
+        from asyncrl.learner.megatron.optim_state import rank_state
+
+        return rank_state(self.optimizer)
+
+    def load_optimizer_state(self, state: list[dict[str, Any]]) -> None:
+        """Restore `optimizer_state` of this rank (after the weights: it carries the fp32 main
+        parameters, more exact than the bf16 model's)."""
+        from asyncrl.learner.megatron.optim_state import load_rank_state
+
+        load_rank_state(self.optimizer, state)
