@@ -41,7 +41,8 @@ ENGINE_EXIT_GRACE_S = 5.0
 
 
 def resolve_model(model_args: ModelArgs) -> Path:
-    """The HF model directory: the configured path, or the embedded tiny model (built once)."""
+    """The HF model directory: the configured path, or the embedded tiny model (built once per
+    warm-start corpus mix, `model_args.warm_start_mix`)."""
     if model_args.model_name_or_path:
         path = Path(model_args.model_name_or_path)
         if not (path / "config.json").exists():
@@ -49,9 +50,9 @@ def resolve_model(model_args: ModelArgs) -> Path:
                 f"model_name_or_path {path} is not a Hugging Face model directory"
             )
         return path
-    from asyncrl.models.tiny import ensure_embedded_model
+    from asyncrl.models.tiny import embedded_spec, ensure_embedded_model
 
-    return ensure_embedded_model()
+    return ensure_embedded_model(spec=embedded_spec(model_args.warm_start_mix))
 
 
 def model_vocab_size(model_dir: Path) -> int:

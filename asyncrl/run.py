@@ -10,6 +10,7 @@ generation for version v+1 starts only after the weights of v+1 reach the engine
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, closing
@@ -19,7 +20,9 @@ from typing import Any
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
 from asyncrl.data.prompts import PromptSource
+from asyncrl.device import DriverThreads, ThreadBudget, ThreadShare
 from asyncrl.learner.base import Learner, make_learner
+from asyncrl.learner.placement import RankPlacement
 from asyncrl.learner.profiler import profile_step
 from asyncrl.metrics import MetricsLogger
 from asyncrl.metrics.batch import BatchMetrics, TrainedGroupLog
@@ -32,13 +35,25 @@ from asyncrl.replay.filters import dapo_zero_variance
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 from asyncrl.rollout.evaluation import Evaluator
 from asyncrl.rollout.settings import RolloutSettings
+from asyncrl.weights.lora_native import native_lora
 
 
 def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
     """Train as `cfg` says. output_dir belongs to one run: a fresh run into one that holds a
     run is refused unless `overwrite`, which first moves that run's files into
-    `output_dir/.overwritten-<time>/`; `actor.checkpoint.resume` continues it instead."""
+    `output_dir/.overwritten-<time>/`; `actor.checkpoint.resume` continues it instead. The
+    driver (learner rank 0) runs inside its share of the thread budget, restored after."""
+    started = time.perf_counter()  # `time/first_batch_s` counts from here
     check_machine(cfg)  # a backend this machine cannot run: one line, before anything starts
+    budget = thread_budget(cfg)
+    with DriverThreads(budget.learner[0]) as driver:
+        return train(cfg, overwrite, budget, driver, started)
+
+
+def train(
+    cfg: Config, overwrite: bool, budget: ThreadBudget, driver: DriverThreads, started: float
+) -> dict[str, Any]:
+    """`run`'s body: set up, start every process and thread, and loop."""
     out = Path(cfg.output_dir)
     ckpt = Checkpointer(out, cfg.actor.checkpoint.save_contents, cfg.actor.checkpoint.async_save)
     found = claim_output_dir(out, ckpt, cfg.actor.checkpoint, overwrite)  # before any start
@@ -51,7 +66,7 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=cfg.actor_infer.generating_args.temperature,
         total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
-        reference=cfg.reference, critic=cfg.critic,
+        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg),
     )  # fmt: skip
     queue = make_queue(cfg)
     step = resume(found, ckpt, cfg, learner, queue, prompts)
@@ -61,7 +76,9 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
     audit, batch_metrics, watch = TrainedGroupLog(out), BatchMetrics(), CollapseWatch()
     rows = DeferredRows(logger)  # a step's row waits for its evaluation (off the loop)
     with logger, closing(learner), ExitStack() as stack:
-        rollout, evaluator = start_rollout(stack, cfg, model_dir, queue, prompts, learner)
+        rollout, evaluator = start_rollout(stack, cfg, model_dir, queue, prompts, learner, budget)
+        pin_learner(driver, learner, budget)  # now: what started before is not pinned with it
+        begun = step  # this process's first step (a resumed run's too) reports the start-up
         stack.callback(rows.flush, ())  # on the way out, a row still held goes without eval
         if found is None:  # a resumed step's evaluation is in its row already
             evaluator.submit(step, learner.version, learner)
@@ -73,6 +90,7 @@ def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
             with profile_step(cfg.actor.profiler, out, step + 1):  # actor.profiler's steps
                 metrics = learner.step(groups)  # evaluations in flight run on meanwhile
             step += 1
+            metrics.update(startup_metrics(started, budget) if step == begun + 1 else {})
             audit.append(step, groups)
             if sync_due(cfg, learner.version, step) or evaluator.due(step):
                 blocked = evaluator.wait_before_sync()  # they are pinned to the engines' version
@@ -128,10 +146,11 @@ def start_rollout(
     queue: ReplayQueue,
     prompts: PromptSource,
     learner: Learner,
+    budget: ThreadBudget | None = None,
 ) -> tuple[Orchestrator, Evaluator]:
     """Every thread and process of the rollout side, in start order; `stack` stops them in
-    reverse (a stop that fails is reported and the others still run)."""
-    import dataclasses
+    reverse (a stop that fails is reported and the others still run). `budget`: the run's
+    thread budget (its engine shares go to the local hf engines)."""
     import secrets
 
     from asyncrl.engine.fleet import EngineFleet
@@ -158,10 +177,11 @@ def start_rollout(
         seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
         api_key=engine_api_key,
         eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,
+        dedicated_eval=cfg.logging.eval_engine == "dedicated",  # rollout never routed to it
         cluster=cfg.cluster,  # multi-node: engines are Ray actors placed on the nodes
+        lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir),
     )  # fmt: skip
     _stop_later(stack, fleet.stop)
-    fleet.start(learner)  # processes: engine servers (+ router); weights of the learner's version
 
     def settings(index: int) -> RolloutSettings:
         urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
@@ -172,11 +192,16 @@ def start_rollout(
             made = dataclasses.replace(made, transport_host=advertised_host(ro.transport_host))
         return made
 
-    # processes: Ray actors, the rollout workers (multi-node: each beside its first engine)
-    pool = RayWorkerPool(
-        settings, ro.num_actors, fleet.worker_options, cfg.cluster.address.strip() or None
-    )
-    _stop_later(stack, pool.close)
+    def start_workers() -> RayWorkerPool:  # processes: Ray actors, the rollout workers
+        address = cfg.cluster.address.strip() or None  # multi-node: each beside its engine
+        pool = RayWorkerPool(settings, ro.num_actors, fleet.worker_options, address)
+        _stop_later(stack, pool.close)
+        return pool
+
+    # processes: engine servers (+ router), loading while Ray and the rollout workers start
+    # (they need the engines' URLs, not the engines); then the learner's weights on each.
+    shares = budget.engines if budget is not None else ()
+    pool = fleet.start(learner, meanwhile=start_workers, threads=shares)
     dispatcher = Dispatcher(pool, queue, prompts.next_item, ro.max_inflight_prompts)
     _stop_later(stack, dispatcher.start().stop)  # thread: prompts → rollout workers
     limits = GroupLimits(model_vocab_size(model_dir), lambda: learner.version)
@@ -218,6 +243,8 @@ def rollout_settings(
         seed=cfg.seed,
         transport_secret=transport_secret,
         engine_api_key=engine_api_key,
+        engine_lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir)
+        is not None,
     )
 
 
@@ -263,3 +290,60 @@ def resume(
             "position, replay queue and RNG start afresh"
         )
     return found.step
+
+
+def thread_budget(cfg: Config) -> ThreadBudget:
+    """The run's CPU thread budget (`threads`) over the learner's ranks and the hf engines this
+    host starts, printed once."""
+    from asyncrl.device import detect_device, plan_threads, usable_cores, worker_device
+
+    infer, train_cfg, t = cfg.actor_infer, cfg.actor_train, cfg.threads
+    multinode = bool(cfg.cluster.address.strip())
+    local_hf = infer.strategy_args.strategy_name == "hf_infer" and not multinode
+    # As HFLauncher counts them; SGLang engines and engines on other nodes are not budgeted.
+    engines = max(1, len(infer.device_mapping) // infer.num_gpus_per_worker) if local_hf else 0
+    torch_learner = train_cfg.strategy_args.strategy_name == "fsdp2_train"
+    where = worker_device(list(train_cfg.device_mapping), detect_device().kind)
+    ranks = derive_plan(cfg).world_size
+    local_ranks = 1 if multinode else ranks  # multi-node: the other ranks may be elsewhere
+    budget = plan_threads(
+        usable_cores(), local_ranks, engines, t.learner, t.engine, t.pin,
+        learner_on_cpu=torch_learner and where == "cpu",
+    )  # fmt: skip
+    others = (ThreadShare(),) * (ranks - local_ranks)  # not budgeted: torch's default
+    budget = dataclasses.replace(budget, learner=budget.learner + others)
+    print(f"asyncrl: threads: {budget.describe()}")
+    return budget
+
+
+def pin_learner(driver: DriverThreads, learner: Learner, budget: ThreadBudget) -> None:
+    """Pin the learner to its cores once every other process has started (a child inherits
+    its creator's pinning): the driver (rank 0) and, with several, the other ranks."""
+    driver.pin()
+    set_rank_threads = getattr(learner, "set_rank_threads", None)  # DistributedTorchLearner
+    if set_rank_threads is not None:
+        set_rank_threads(budget.learner)
+
+
+def startup_metrics(started: float, budget: ThreadBudget) -> dict[str, float]:
+    """The first trained step's start-up figures: seconds from `run()` to this batch trained,
+    and the thread budget the run got."""
+    engine = budget.engines[0] if budget.engines else ThreadShare()
+    pinned = any(s.cpus for s in (*budget.learner, *budget.engines))
+    return {
+        "time/first_batch_s": time.perf_counter() - started,
+        "threads/learner": float(budget.learner[0].threads),
+        "threads/engine": float(engine.threads),
+        "threads/pinned": float(pinned),
+    }
+
+
+def rank_placement(cfg: Config) -> RankPlacement:
+    """Where a multi-rank learner's other ranks run. Multi-node, the run joins its cluster
+    first (before the learner's ranks or the engines start: one Ray per process)."""
+    if not cfg.cluster.address.strip():
+        return RankPlacement()
+    from asyncrl.net import init_ray
+
+    init_ray(cfg.cluster.address.strip())
+    return RankPlacement(multinode=True, bundle=dict(cfg.cluster.learner_bundle))

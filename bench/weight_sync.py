@@ -23,7 +23,9 @@ LoRA row: the same model wrapped by peft (rank `--lora-rank`, all-linear, a trai
 adapter: B random, not zero) synced both ways at the default bucket size and `auto` format:
 `merged` full weights (what `weight_sync.lora_sync: merge` sends) vs the `adapter` alone
 (`lora_sync: adapter`: A and scale·B per layer; the engine recomputes W0 + B·A). Bytes and
-seconds per sync, median over the repeats.
+seconds per sync, median over the repeats. `native` (`lora_sync: native`, SGLang's own LoRA
+path): the learner's part only, the adapter written as a PEFT directory; SGLang's load of it
+is not measured here.
 
     asyncrl bench weight-sync [--smoke] [--buckets-mb 4,16,64,256] [--repeats 4] [--lora-rank 16]
 """
@@ -212,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"LoRA rank {args.lora_rank} sync ({kind}, {DEFAULT_BUCKET_MB:g} MB buckets, per sync)",
         ["what is sent", "MB", "seconds"],
-        [[k, lora[k]["bytes"] / 2**20, lora[k]["seconds"]] for k in ("merged", "adapter")],
+        [
+            [k, lora[k]["bytes"] / 2**20, lora[k]["seconds"]]
+            for k in ("merged", "adapter", "native")
+        ],
     )
     ref = min(rows, key=lambda r: abs(r["bucket_mb"] - DEFAULT_BUCKET_MB))
     label = "per-tensor" if kind == "gloo" else "flattened"  # what load_format auto picks
@@ -250,7 +255,23 @@ def _run(
     with launch_hf_server(model_dir, extra_args=extra, timeout_s=300) as handle:
         rows = asyncio.run(_measure(handle.url, named, sizes_mb, repeats, kind))
         lora = asyncio.run(_measure_lora(handle.url, merged, adapter, repeats, kind))
+    lora["native"] = _measure_native(adapter, repeats)
     return rows, lora
+
+
+def _measure_native(adapter: list, repeats: int) -> dict:
+    """`lora_sync: native`, the learner's side: write the adapter as a PEFT directory."""
+    import time
+
+    from asyncrl.weights.lora_native import write_adapter
+
+    seconds = []
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-native-") as tmp:
+        for i in range(repeats + 1):  # the first warms up, not counted
+            start = time.perf_counter()
+            written = write_adapter(adapter, Path(tmp) / f"asyncrl-v{i}")
+            seconds.append(time.perf_counter() - start)
+    return {"seconds": median(seconds[1:]), "bytes": written.bytes}
 
 
 def _lora_tensors(model: Any, rank: int) -> tuple[list, list]:

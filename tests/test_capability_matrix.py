@@ -42,6 +42,18 @@ ENV_CONFIGS = {
 }
 # Never-rejecting bounds: the criterion is computed (its metric shows) without masking the batch.
 RS_BOUND = "upper: 1.0e9"
+# The thread budget's values besides auto: integers and a bool, which no Literal enumerates.
+THREAD_DIMS = (
+    cap.Dimension("threads.learner", ("auto", 1)),
+    cap.Dimension("threads.engine", ("auto", 1)),
+    cap.Dimension("threads.pin", (True, False)),
+)
+
+
+def with_thread_dims(dims: list[cap.Dimension]) -> list[cap.Dimension]:
+    """`dims` with the thread budget's dimensions in place of the schema's auto-only ones."""
+    paths = {d.path for d in THREAD_DIMS}
+    return [d for d in dims if d.path not in paths] + list(THREAD_DIMS)
 
 
 class Models:
@@ -70,6 +82,9 @@ def to_overrides(choice: dict[str, Any], models: type[Models] = Models) -> list[
         elif path == "algorithm.rollout_rs":
             items = ", ".join(f"{{name: {name}, {RS_BOUND}}}" for name in value)
             out.append(f"algorithm.rollout_rs=[{items}]")
+        elif path == "logging.eval_engine" and value == "dedicated":  # 2 engines, evaluations
+            out += [f"{path}={value}", "actor_infer.device_mapping=[0,1]"]
+            out += ["logging.eval_interval=1", "logging.eval_size=4"]  # small: env runs play 2x
         else:
             out.append(f"{path}={value}")
     return out
@@ -90,7 +105,7 @@ def matrix(tmp_path_factory):
         tok.save_pretrained(path)
         setattr(Models, name, str(path))
         Models.full_bytes = sum(4 * t.numel() for t in build_model(spec, tok).state_dict().values())
-    dims = cap.dimensions()
+    dims = with_thread_dims(cap.dimensions())
     classes = cap.classify(dims, to_overrides)
     return dims, classes, cap.plan_runs(dims, classes, to_overrides)
 
@@ -121,6 +136,9 @@ def test_every_enumerated_value_is_refused_or_runs(matrix):
         "weight_sync.backend",
         "hccl",
     ) in not_here
+    # SGLang's native LoRA path: refused on the CPU default's hf engines, naming the way there
+    native = classes["weight_sync.lora_sync"]["native"]
+    assert native.startswith("refused") and "native is SGLang's LoRA path" in native, native
 
 
 def _rows(out) -> list[dict[str, Any]]:
@@ -140,6 +158,13 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
     """What each chosen value promises, read from the run's metrics (and files in `out`)."""
     assert len(rows) == STEPS and rows[-1]["version"] == STEPS  # the loop ran and synced
     assert _finite(rows, "actor/pg_loss") and _finite(rows, "actor/grad_norm")
+    # the first trained step reports the start-up: time to it, the thread budget
+    assert rows[0]["time/first_batch_s"] > 0 and "time/first_batch_s" not in rows[1]
+    for role in ("learner", "engine"):
+        if isinstance(choice.get(f"threads.{role}"), int):
+            assert rows[0][f"threads/{role}"] == choice[f"threads.{role}"], rows[0]
+    if choice.get("threads.pin") is False:
+        assert rows[0]["threads/pinned"] == 0.0
     adv = _seen(rows, "learner/adv_max") + _seen(rows, "learner/adv_min")
     pulled = choice.get("actor.use_kl_loss") and choice.get("reference") == cap.ON
     if any(a != 0 for a in adv) or pulled:  # a signal to learn from: the weights moved
@@ -183,6 +208,8 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
         assert json.loads((out / "profile" / "step_1.json").read_text())["traceEvents"]
     ranks = 2 if choice.get("actor_train.device_mapping") == "[0,1]" else 1
     assert all(r.get("learner/world_size", 1.0) == ranks for r in rows)
+    if choice.get("logging.eval_engine") == "dedicated":  # on its own engine, every step
+        assert all(r["eval/version"] == r["step"] for r in rows), _seen(rows, "eval/version")
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
 

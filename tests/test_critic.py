@@ -29,20 +29,18 @@ from tests.test_torch_learner import _groups
 
 D = torch.float64
 GAE = ("algorithm.adv_estimator=gae", "critic={}")
+# The critic learner these tests train (tests/test_distributed_learner.py and test_fsdp2.py too)
+CRITIC = (
+    *GAE,
+    "actor_train.training_args.learning_rate=1e-3",
+    "actor_train.model_args.disable_gradient_checkpointing=true",
+    "critic.model_args.disable_gradient_checkpointing=true",
+    "critic.training_args.learning_rate=3e-3",
+)
 
 
 def _learner(model_dir, *overrides: str) -> TorchLearner:
-    cfg = load_config(
-        None,
-        [
-            *GAE,
-            "actor_train.training_args.learning_rate=1e-3",
-            "actor_train.model_args.disable_gradient_checkpointing=true",
-            "critic.model_args.disable_gradient_checkpointing=true",
-            "critic.training_args.learning_rate=3e-3",
-            *overrides,
-        ],
-    )
+    cfg = load_config(None, [*CRITIC, *overrides])
     return TorchLearner(
         model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, temperature=0.7, total_steps=10,
         reference=cfg.reference, critic=cfg.critic,
@@ -232,7 +230,10 @@ def test_checkpoint_saves_and_resumes_the_critic(tiny_model, tmp_path, contents)
         ([*GAE, "critic.strategy_args.strategy_name=megatron_train"], "not available yet"),
         ([*GAE, "actor_train.strategy_args.strategy_name=megatron_train"], "not available yet"),
         ([*GAE, "critic.device_mapping=[1]"], "critic.device_mapping"),
-        ([*GAE, "actor_train.device_mapping=[0,1]"], "data-parallel"),
+        (
+            [*GAE, "actor_train.device_mapping=[0,1]", "critic.device_mapping=[0]"],
+            "critic.device_mapping",
+        ),
         ([*GAE, "algorithm.cliprange_value=0"], "algorithm.cliprange_value"),
         ([*GAE, "algorithm.critic_warmup=-1"], "algorithm.critic_warmup"),
     ],
@@ -241,6 +242,17 @@ def test_validation_refuses_what_the_critic_cannot_honour(overrides, words):
     with pytest.raises(ConfigError, match=words) as err:
         load_config(None, overrides)
     assert "\n" not in str(err.value)
+
+
+def test_a_critic_with_a_data_parallel_actor_train_validates():
+    """The critic shards over actor_train's devices like the actor (FSDP2): `config validate`
+    and the learner's own check accept it (tests/test_distributed_learner.py runs it)."""
+    from asyncrl.learner.objective import check_learner_side
+
+    for mapping in ([], ["critic.device_mapping=[0,1]"]):
+        cfg = load_config(None, [*GAE, "actor_train.device_mapping=[0,1]", *mapping])
+        assert cfg.critic is not None and list(cfg.actor_train.device_mapping) == [0, 1]
+        check_learner_side(cfg.algorithm, has_critic=True, world_size=2)
 
 
 def test_a_critic_config_validates_and_the_learner_refuses_it_without_gae(tiny_model):

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asyncrl.checkpoint import Checkpointer, IncompleteCheckpoint
+from asyncrl.config import load_config
 from asyncrl.learner.torch.distributed import DistributedTorchLearner
 from tests.test_torch_learner import _groups, _learner
 
@@ -248,3 +249,99 @@ def test_config_refuses_what_fsdp2_cannot_honour(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, overrides))
+
+
+# -- the critic (gae) on 2 ranks -------------------------------------------------------------
+def _critic_weights_through(root, learner, model_dir) -> dict[str, torch.Tensor]:
+    """The critic's whole weights of `learner` (any rank count), read back through a
+    checkpoint it writes under `root` into a one-process critic learner."""
+    from tests.test_critic import _learner as critic_learner
+
+    saved = Checkpointer(root, ["model", "optimizer"]).save(learner.version, learner, {})
+    reader = critic_learner(model_dir)
+    Checkpointer.open(saved).apply(reader, {"model", "optimizer"})
+    return reader.critic.model.state_dict()
+
+
+def _assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sharded_critic_checkpoint_resumes_onto_one_and_two_ranks(tiny_model, tmp_path):
+    """The critic's model and optimizer across rank counts, as the actor's: 1 process → 2 ranks
+    → a sharded checkpoint (its shards in the DCP directory beside the actor's) → 1 process
+    and → 2 ranks; each resumed learner takes the next step as the uninterrupted one did."""
+    from tests.test_critic import CRITIC
+    from tests.test_critic import _learner as critic_learner
+
+    contents, batches = ["model", "optimizer"], [_groups(seed=s) for s in range(3)]
+    single = critic_learner(tiny_model)
+    single.step(batches[0])
+    full = Checkpointer(tmp_path / "one", contents).save(1, single, {})
+    expected = [single.step(batches[1])]
+    after_one = {k: v.clone() for k, v in single.critic.model.state_dict().items()}
+    expected.append(single.step(batches[2]))
+    cfg = load_config(None, list(CRITIC))
+    kwargs = {"model_path": tiny_model, "train": cfg.actor_train, "actor": cfg.actor,
+              "algorithm": cfg.algorithm, "temperature": 0.7, "total_steps": 10,
+              "critic": cfg.critic}  # fmt: skip
+
+    dist = DistributedTorchLearner(2, **kwargs)
+    try:
+        assert all(isinstance(p, DTensor) for p in dist.local.critic.model.parameters())
+        Checkpointer.open(full).apply(dist, set(contents))  # 1 → 2
+        assert dist.local.critic.updates == 1
+        m_dist = dist.step(batches[1])
+        assert m_dist["critic/vf_loss"] == pytest.approx(expected[0]["critic/vf_loss"], abs=1e-5)
+        sharded = Checkpointer(tmp_path / "two", contents).save(2, dist, {})
+    finally:
+        dist.close()
+    state = torch.load(sharded / "learner.pt", weights_only=True)
+    assert state["critic"]["model"] == state["critic"]["optimizer"] == "sharded"
+
+    resumed = critic_learner(tiny_model)  # 2 → 1
+    Checkpointer.open(sharded).apply(resumed, set(contents))
+    _assert_same_tensors(resumed.critic.model.state_dict(), after_one)
+    assert resumed.critic.updates == 2
+    m_one = resumed.step(batches[2])
+    assert m_one["critic/vf_loss"] == pytest.approx(expected[1]["critic/vf_loss"], abs=1e-5)
+    _assert_same_tensors(resumed.critic.model.state_dict(), single.critic.model.state_dict())
+
+    again = DistributedTorchLearner(2, **kwargs)  # 2 → 2
+    try:
+        Checkpointer.open(sharded).apply(again, set(contents))
+        m_two = again.step(batches[2])
+        for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss"):
+            assert m_two[key] == pytest.approx(expected[1][key], abs=1e-5), key
+        got = _critic_weights_through(tmp_path / "three", again, tiny_model)
+    finally:
+        again.close()
+    _assert_same_tensors(got, single.critic.model.state_dict())
+
+
+def test_a_bf16_critic_trains_packed_on_one_and_two_ranks(tiny_model):
+    """`critic.model_args.dtype: bf16`: the trunk bf16, the value head fp32 (an FSDP unit of
+    its own: one unit's parameters share a dtype), packed value passes read fp32 states."""
+    from asyncrl.learner.torch.learner import TorchLearner
+    from tests.test_critic import CRITIC
+
+    cfg = load_config(None, [*CRITIC, "critic.model_args.dtype=bf16",
+                             "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=64"])  # fmt: skip
+    kwargs = {"model_path": tiny_model, "train": cfg.actor_train, "actor": cfg.actor,
+              "algorithm": cfg.algorithm, "temperature": 0.7, "total_steps": 10,
+              "critic": cfg.critic}  # fmt: skip
+    single = TorchLearner(**kwargs)
+    assert single.critic.model.trunk.dtype == torch.bfloat16
+    assert single.step(_groups(seed=0))["critic/vf_loss"] > 0.0
+    dist = DistributedTorchLearner(2, **kwargs)
+    try:
+        head = list(dist.local.critic.model.value_head.parameters())
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in head)
+        metrics = dist.step(_groups(seed=0))
+        assert metrics["critic/vf_loss"] > 0.0 and torch.isfinite(
+            torch.tensor(metrics["critic/grad_norm"])
+        )
+    finally:
+        dist.close()

@@ -138,8 +138,6 @@ def test_the_adaptive_coefficient_moves_and_is_checkpointed(tiny_model, referenc
         (["algorithm.use_kl_in_reward=true"], "computed in the rollout workers"),
         ([f"algorithm.adv_estimator={RFPP}", "algorithm.use_kl_in_reward=true",
           "actor_train.strategy_args.strategy_name=megatron_train"], "megatron_train"),
-        ([f"algorithm.adv_estimator={RFPP}", "algorithm.use_kl_in_reward=true",
-          "actor_train.device_mapping=[0,1]"], "data-parallel"),
         (["algorithm.kl_penalty=full"], "algorithm.kl_penalty"),
         (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type"),
         (["algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl"),

@@ -116,9 +116,12 @@ def test_sglang_lora_adapter_calls_against_the_fake(tmp_path):
     same bodies against the wheel's own in tests/test_sglang_contract.py); a refusal is named."""
     from asyncrl.engine.client import EngineError
     from asyncrl.engine.versions import MAX_VERSION
-    from tests.test_sglang_versions import start_fake, state
+    from asyncrl.weights.lora_native import write_adapter
+    from tests.test_lora_native import _tensors, start_lora_fake
+    from tests.test_sglang_versions import state
 
-    handle = start_fake(tmp_path, ".".join(map(str, MAX_VERSION)), delay=0.0)
+    handle = start_lora_fake(tmp_path, ".".join(map(str, MAX_VERSION)))
+    write_adapter(_tensors(), tmp_path / "adapter")  # the fake reads what it loads
 
     async def go() -> None:
         async with EngineClient(handle.url) as client:

@@ -88,12 +88,43 @@ def bodies_sent(tmp_path: Path, version: str) -> list[tuple[str, dict]]:
                 fmt = "flattened_bucket" if i % 2 else None
                 await sender.sync(named, i + 1, bucket_bytes=8, load_format=fmt, pause_mode=mode)
             await sender.close()
-            await client.load_lora_adapter("policy", "/tmp/adapter_v1")
-            await client.unload_lora_adapter("policy")
 
     try:
         asyncio.run(go())
-        return [(p, b) for p, b in state(handle.url)["calls"]]
+        return [(p, b) for p, b in state(handle.url)["calls"]] + lora_bodies_sent(tmp_path, version)
+    finally:
+        handle.stop()
+
+
+def lora_bodies_sent(tmp_path: Path, version: str) -> list[tuple[str, dict]]:
+    """The native LoRA path's bodies (`lora_sync: native`): the real NativeLoraSync over two
+    versions (load, version switch, unload) and a /generate naming the adapter (`lora_path`),
+    against a fake launched with asyncrl's `--enable-lora` flags."""
+    from asyncrl.weights.lora_native import NativeLoraSync
+    from tests.test_lora_native import _tensors, start_lora_fake
+
+    handle = start_lora_fake(tmp_path, version)
+    sync = NativeLoraSync(tmp_path / "lora", timeout_s=30)
+
+    async def go() -> None:
+        async with EngineClient(handle.url) as engine:
+            for v in (1, 2):
+                await sync.sync([engine], _tensors(seed=v), v, "abort")
+                await sync.drain()
+                async with EngineClient(
+                    handle.url, lora=True
+                ) as worker:  # finds asyncrl-v{v} served
+                    await worker.generate_one({"input_ids": [3, 4], "sampling_params": {}})
+
+    try:
+        asyncio.run(go())
+        calls = [(p, b) for p, b in state(handle.url)["calls"]]
+        named = [b.get("lora_path") for p, b in calls if p == "/generate"]
+        assert named == [None, "asyncrl-v1", None, "asyncrl-v2"]  # each after a version probe
+        assert {"/load_lora_adapter", "/unload_lora_adapter", "/update_weight_version"} <= {
+            p for p, _ in calls
+        }
+        return calls
     finally:
         handle.stop()
 
@@ -135,7 +166,12 @@ def test_every_sampling_params_passes_sglangs_own_checks(tmp_path, version):
     if "sglang/api/v1/api_types.py" in whl.namelist():
         gate = load_module(whl, "sglang/api/v1/api_types.py")
     generates = [b for p, b in bodies_sent(tmp_path, version) if p == "/generate"]
-    assert len(generates) == 3
+    assert len(generates) == 7 and [b.get("lora_path") for b in generates[3:]] == [
+        None,
+        "asyncrl-v1",
+        None,
+        "asyncrl-v2",
+    ]  # fmt: skip (the LoRA client's version probes, then its requests)
     for body in generates:
         params = sp.SamplingParams(**body["sampling_params"])
         params.verify(vocab_size=64)

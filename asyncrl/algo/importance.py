@@ -316,3 +316,59 @@ def select_old_log_prob(
         raise ValueError("decoupled mode needs recomputed_log_prob (the learner's recompute)")
     check_same_shape(rollout_log_prob=rollout_log_prob, recomputed_log_prob=recomputed_log_prob)
     return recomputed_log_prob
+
+
+def lag_sums(
+    weights: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """[L + 1, 3] float64 on the CPU: for each lag 0..L (L the largest lag holding a unit) the
+    Σw, Σw² and count of its units' IS weights; what `ess_by_lag` reads, and what shards of
+    one batch add up (a sum, so ranks can all-reduce it).
+
+    The units are the ones the weights belong to: at `token` level the valid tokens of the
+    lag's rows; at `sequence` and `geometric` level the lag's rows with a valid token, each
+    once with its weight (the mean of its valid tokens' weights, all equal unless vetoed), so
+    a long sequence does not count as many samples. `lags` [B]: each row's staleness, >= 0.
+    """
+    check_same_shape(weights=weights, mask=mask)
+    check_choice("rollout_is_level", level, IS_LEVELS)
+    if tuple(lags.shape) != tuple(weights.shape[:1]):
+        raise ValueError(
+            f"lags must hold one staleness per row: got {list(lags.shape)} for "
+            f"{weights.shape[0]} rows"
+        )
+    if lags.numel() and int(lags.min()) < 0:
+        raise ValueError(f"lags must be >= 0 (a row newer than the learner?); got {lags.tolist()}")
+    valid = mask.bool()
+    kept = torch.where(valid, weights.detach().to(torch.float64), 0.0)
+    if level == "token":
+        unit_w, unit_lag = kept[valid], lags.unsqueeze(-1).expand_as(valid)[valid]
+    else:
+        counts = valid.sum(dim=-1)
+        rows = counts > 0
+        unit_w, unit_lag = (kept.sum(dim=-1) / counts.clamp(min=1))[rows], lags[rows]
+    unit_w, unit_lag = unit_w.cpu(), unit_lag.cpu().to(torch.int64)
+    size = int(unit_lag.max()) + 1 if unit_lag.numel() else 0
+    columns = torch.stack((unit_w, unit_w.square(), torch.ones_like(unit_w)), dim=-1)
+    return torch.zeros(size, 3, dtype=torch.float64).index_add_(0, unit_lag, columns)
+
+
+def ess_from_lag_sums(sums: torch.Tensor) -> dict[int, tuple[float, int]]:
+    """{lag: (normalised ESS, n)} from `lag_sums`' rows; lags without a unit are left out.
+
+    The normalised effective sample size of n weights is (Σw)² / (n·Σw²): 1 when they are all
+    equal, 1/n when one carries everything, 0 when all are 0 (every unit vetoed or clipped:
+    nothing effective is left)."""
+    out: dict[int, tuple[float, int]] = {}
+    for lag, (total, squares, n) in enumerate(sums.tolist()):
+        if n > 0:
+            out[lag] = (total * total / (n * squares) if squares > 0 else 0.0, round(n))
+    return out
+
+
+def ess_by_lag(
+    weights: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor, level: str = "token"
+) -> dict[int, tuple[float, int]]:
+    """{lag: (normalised ESS, n)} of the IS weights, split by each row's staleness `lags` [B]
+    (units and sums: `lag_sums`; the ESS: `ess_from_lag_sums`)."""
+    return ess_from_lag_sums(lag_sums(weights, mask, lags, level))

@@ -20,14 +20,8 @@ def check_cluster(cfg: Config) -> None:
     cl = cfg.cluster
     if not cl.bind_host.strip():
         raise ConfigError("cluster.bind_host must name an address, got an empty string")
-    for key, amount in cl.engine_bundle.items():
-        if key in OWN_RESOURCES:
-            raise ConfigError(
-                f"cluster.engine_bundle.{key} is set by asyncrl (GPU: num_gpus_per_worker, "
-                "else CPU 1); name custom resources only"
-            )
-        if not isinstance(amount, int | float) or not math.isfinite(amount) or amount <= 0:
-            raise ConfigError(f"cluster.engine_bundle.{key} must be a number > 0, got {amount!r}")
+    for name in ("engine_bundle", "learner_bundle"):
+        _check_bundle(name, getattr(cl, name))
     host = cfg.actor_infer.strategy_args.strategy_config.get("host")
     if host is not None and str(host) != cl.bind_host and cl.bind_host != "127.0.0.1":
         raise ConfigError(
@@ -37,12 +31,25 @@ def check_cluster(cfg: Config) -> None:
     if cl.address.strip():
         _check_multinode(cfg)
         return
-    # Read only where engines are placed: a value the run would ignore is refused instead.
-    if cl.placement_strategy != "SPREAD" or cl.engine_bundle:
-        key = "engine_bundle" if cl.engine_bundle else "placement_strategy"
+    # Read only where engines and ranks are placed: a value the run would ignore is refused.
+    placed = [k for k in ("engine_bundle", "learner_bundle") if getattr(cl, k)]
+    placed += ["placement_strategy"] if cl.placement_strategy != "SPREAD" else []
+    if placed:
         raise ConfigError(
-            f"cluster.{key} places engines on a Ray cluster: set cluster.address (multi-node)"
+            f"cluster.{placed[0]} places parts of the run on a Ray cluster: set cluster.address "
+            "(multi-node)"
         )
+
+
+def _check_bundle(name: str, bundle: dict) -> None:
+    for key, amount in bundle.items():
+        if key in OWN_RESOURCES:
+            raise ConfigError(
+                f"cluster.{name}.{key} is set by asyncrl (engines: GPU = num_gpus_per_worker, "
+                "else CPU 1; learner ranks: CPU 1); name custom resources only"
+            )
+        if not isinstance(amount, int | float) or not math.isfinite(amount) or amount <= 0:
+            raise ConfigError(f"cluster.{name}.{key} must be a number > 0, got {amount!r}")
 
 
 def _check_multinode(cfg: Config) -> None:
@@ -57,10 +64,12 @@ def _check_multinode(cfg: Config) -> None:
             f"{what}: rollout.transport_host {cfg.rollout.transport_host!r} is loopback, "
             "rollout workers on other nodes cannot reach it: set 0.0.0.0 or this node's address"
         )
-    if len(cfg.actor_train.device_mapping) > 1:
+    n = len(cfg.actor_train.device_mapping)
+    if n > 1 and cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
         raise ConfigError(
-            f"{what}: actor_train on {len(cfg.actor_train.device_mapping)} devices is not "
-            "placed across nodes yet (learner ranks rendezvous on loopback): use one device"
+            f"{what}: {cfg.actor_train.strategy_args.strategy_name} on {n} devices is not "
+            "placed across nodes yet (its ranks take the driver node's devices): use one "
+            "device, or fsdp2_train"
         )
     if cfg.actor_infer.strategy_args.strategy_config.get("server_urls"):
         raise ConfigError(

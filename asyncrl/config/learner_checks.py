@@ -4,12 +4,13 @@ parallel sizes, LoRA. Each failure is one ConfigError line naming the key."""
 from __future__ import annotations
 
 from asyncrl.config.rules import EPISODE_ESTIMATORS, KL_TYPES, one_of, positive
-from asyncrl.config.schema import Config, ConfigError, ModelArgs, WorkerConfig
+from asyncrl.config.schema import Config, ConfigError, ModelArgs
 
 
 def check_critic(cfg: Config) -> None:
-    """The critic runs inside the fsdp2_train learner, on its one device; only gae reads its
-    values, so a critic with another estimator (verl would train it unread) is refused."""
+    """The critic runs inside the fsdp2_train learner, on its devices (sharded like the actor
+    over several); only gae reads its values, so a critic with another estimator (verl would
+    train it unread) is refused."""
     critic, alg, train = cfg.critic, cfg.algorithm, cfg.actor_train
     positive("algorithm.cliprange_value", alg.cliprange_value)
     positive("algorithm.critic_warmup", alg.critic_warmup, allow_zero=True)
@@ -35,15 +36,6 @@ def check_critic(cfg: Config) -> None:
             f"critic.device_mapping {mapping} differs from actor_train.device_mapping "
             f"{list(train.device_mapping)}: the critic runs inside the learner, on its devices"
         )
-    _one_device("critic", train)
-
-
-def _one_device(what: str, train: WorkerConfig) -> None:
-    if len(train.device_mapping) > 1:
-        raise ConfigError(
-            f"{what} with a data-parallel actor_train ({len(train.device_mapping)} devices) is "
-            "not available yet: use one device"
-        )
 
 
 def check_kl_in_reward(cfg: Config) -> None:
@@ -64,7 +56,6 @@ def check_kl_in_reward(cfg: Config) -> None:
         raise ConfigError(
             "algorithm.use_kl_in_reward with megatron_train is not available yet (fsdp2_train)"
         )
-    _one_device("algorithm.use_kl_in_reward", cfg.actor_train)
 
 
 def check_reference(cfg: Config) -> None:
@@ -201,9 +192,56 @@ def check_lora(cfg: Config) -> None:
     infer = cfg.actor_infer.strategy_args.strategy_name
     if cfg.weight_sync.lora_sync == "adapter" and infer != "hf_infer":
         raise ConfigError(
-            f"weight_sync.lora_sync: adapter needs hf_infer engines; with {infer} use merge "
-            "(or auto), which syncs full weights with the adapter merged in"
+            f"weight_sync.lora_sync: adapter needs hf_infer engines; with {infer} use native "
+            "(SGLang's own LoRA endpoints) or merge (full weights with the adapter merged in)"
         )
+    if cfg.weight_sync.lora_sync == "native":
+        check_lora_native(cfg)
+
+
+#: LoRA targets SGLang serves in every supported release (0.5.6's SUPPORTED_LORA_TARGET_MODULES,
+#: less its fused names, which peft never produces).
+SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: SGLang stacks q/k/v and gate/up into fused weights: an adapter on one member needs these
+#: (a missing k_proj it zeroes; lora.py `normalize_qkv_proj`, `normalize_gate_up_proj`).
+SGLANG_STACKED = {
+    ("q_proj", "k_proj", "v_proj"): ("q_proj", "v_proj"),
+    ("gate_proj", "up_proj"): ("gate_proj", "up_proj"),
+}
+
+
+def check_lora_native(cfg: Config) -> None:
+    """`lora_sync: native`: SGLang engines load each version's PEFT adapter from `lora_dir`."""
+    args, path = cfg.actor_train.model_args, "actor_train.model_args"
+    infer = cfg.actor_infer.strategy_args.strategy_name
+    if infer != "sglang":
+        raise ConfigError(
+            f"weight_sync.lora_sync: native is SGLang's LoRA path; {infer} engines take adapter"
+        )
+    if cfg.cluster.address.strip() and not cfg.weight_sync.lora_dir.strip():
+        raise ConfigError(
+            "weight_sync.lora_dir: multi-node (cluster.address) needs a directory every "
+            "engine's node shares for lora_sync: native (output_dir is the driver's own)"
+        )
+    if args.lora_target_exclude:
+        raise ConfigError(
+            f"{path}.lora_target_exclude: SGLang's native LoRA path needs the adapter on every "
+            "layer of a target module: use lora_sync merge, or drop the exclusion"
+        )
+    targets = args.target_modules
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(SGLANG_LORA_TARGETS))
+        if unknown:
+            raise ConfigError(
+                f"{path}.target_modules: SGLang cannot serve a LoRA on {unknown[0]!r} (it "
+                f"takes {', '.join(SGLANG_LORA_TARGETS)} or all-linear): use lora_sync merge"
+            )
+        for members, needed in SGLANG_STACKED.items():
+            if set(members) & set(targets) and not set(needed) <= set(targets):
+                raise ConfigError(
+                    f"{path}.target_modules: SGLang fuses {'/'.join(members)} and needs the "
+                    f"adapter on {' and '.join(needed)}: add them, or use lora_sync merge"
+                )
 
 
 def check_packing(cfg: Config) -> None:

@@ -263,6 +263,8 @@ def _short(text: str, limit: int = 80) -> str:
 def _name(tp: Any) -> str:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return " or ".join(_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:  # the values, not the word "Literal"
+        return " or ".join(repr(a) for a in typing.get_args(tp))
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 

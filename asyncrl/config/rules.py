@@ -86,3 +86,14 @@ def port(path: str, value: int) -> None:
 def one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{path}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def check_threads(learner: int | str, engine: int | str) -> None:
+    """`threads.learner` / `threads.engine`: auto, or 1 .. the usable cores of this machine
+    (more threads than cores in one process only slows it down)."""
+    from asyncrl.device import ThreadBudgetError, plan_threads, usable_cores
+
+    try:
+        plan_threads(usable_cores(), 1, 1, learner, engine)
+    except ThreadBudgetError as e:
+        raise ConfigError(str(e)) from None

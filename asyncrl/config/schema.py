@@ -58,6 +58,12 @@ class ModelArgs:
     """Module-name suffixes kept without an adapter even when `target_modules` matches them."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r."""
+    warm_start_mix: list[Literal["frozenlake"]] = field(default_factory=list)
+    """Environment idioms added to the embedded model's arithmetic warm-start corpus, as a
+    pretraining mix would hold them (`asyncrl/models/mix.py` says what each holds): `frozenlake`
+    adds random-policy FrozenLake play (valid moves, never a solution). Empty: the default
+    embedded model. A non-empty mix is another model, built once and cached under its own key.
+    actor_train only, and only with an empty `model_name_or_path`."""
 
 
 @dataclass
@@ -187,12 +193,19 @@ class WeightSyncConfig:
     """Address the update group rendezvouses on (the learner's host)."""
     master_port: int = 0
     """Rendezvous port, 0..65535; 0 picks a free one."""
-    lora_sync: Literal["auto", "adapter", "merge"] = "auto"
+    lora_sync: Literal["auto", "adapter", "merge", "native"] = "auto"
     """With `actor_train.model_args.lora_rank` > 0: `adapter` sends only the LoRA tensors each
-    sync (the hf engine keeps its base weights pristine and loads W0 + scale·B·A); `merge` sends
-    full weights with the adapter merged in (any engine). auto: adapter on hf_infer, merge on
-    sglang (asyncrl does not drive SGLang's native LoRA endpoints yet, so adapter is refused
-    there). Ignored without LoRA."""
+    sync (hf_infer: the engine keeps its base weights pristine and loads W0 + scale·B·A);
+    `native` (sglang only) uses SGLang's own LoRA path: engines start with `--enable-lora`, each
+    sync writes the adapter in PEFT format under `lora_dir`, every engine loads it as
+    `asyncrl-v{version}` and every /generate names its adapter (`lora_path`); `merge` sends full
+    weights with the adapter merged in (any engine). auto: adapter on hf_infer, merge on sglang.
+    Ignored without LoRA."""
+    lora_dir: str = ""
+    """`lora_sync: native`: the directory each sync writes the adapter to (one subdirectory per
+    version, the previous removed once unloaded); the engines read it, so with
+    `cluster.address` (multi-node) it must be a path every engine's node shares (required
+    then). Empty: `output_dir/lora_adapters`."""
 
 
 @dataclass
@@ -265,6 +278,11 @@ class LoggingConfig:
     it fills the engines' idle slots instead of delaying training batches. With sglang, a value
     other than 0 adds `--enable-priority-scheduling --default-priority-value 0` to the server
     command (`engine/sglang.py`); 0 sends no priority at all."""
+    eval_engine: Literal["shared", "dedicated"] = "shared"
+    """Where evaluation generates. shared: on every engine, beside rollout (at
+    `eval_priority`). dedicated: on the last engine alone, which rollout workers are never
+    routed to (needs >= 2 engines in actor_infer and eval_interval > 0); it still receives
+    every weight sync, so evaluation stays pinned to the step's version."""
     plots: bool = True
     """Write PNG plots and a summary at the end."""
 
@@ -290,6 +308,32 @@ class ClusterConfig:
     engine_bundle: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources of each engine's bundle (e.g. {"node_b": 1} to pin engines to nodes
     started with that custom resource); besides GPU = tp size on GPU clusters, else CPU 1."""
+    learner_bundle: dict[str, float] = field(default_factory=dict)
+    """Multi-node, a learner on several devices (fsdp2_train's gloo ranks): extra Ray resources
+    of each of ranks 1..W-1's bundles (CPU 1 each, placed PACK; rank 0 is the driver), e.g.
+    {"node_b": 1}. The ranks meet rank 0 at the driver node's address."""
+
+
+@dataclass
+class ThreadsConfig:
+    """torch CPU threads of the run's CPU-bound processes: the learner (each rank) and each
+    hf engine server on this host (`asyncrl/device.py:plan_threads`). Rollout workers and
+    Ray's own processes are I/O-bound: neither budgeted nor pinned. The chosen budget is
+    printed once at start (`asyncrl: threads: ...`)."""
+
+    learner: int | Literal["auto"] = "auto"
+    """torch intra-op threads of each learner process (per rank with several). auto: its share
+    of the usable cores (os.sched_getaffinity) split evenly with the local engine servers, e.g.
+    1 of 2 cores beside one engine; a learner on a GPU/NPU keeps torch's default. An integer
+    (>= 1, at most the usable cores) is used as given."""
+    engine: int | Literal["auto"] = "auto"
+    """torch intra-op threads of each hf_infer engine server on this host (`--num-threads`).
+    auto: its share of the usable cores, as for the learner. SGLang engines and engines on
+    other nodes are not budgeted."""
+    pin: bool = True
+    """Pin each budgeted process to cores of its own (os.sched_setaffinity; the learner's
+    driver process with every thread it runs) when all shares fit in the usable cores; when
+    they do not (more processes than cores), none is pinned and the start-up line says so."""
 
 
 @dataclass
@@ -342,6 +386,8 @@ class Config:
     """Agentic multi-turn rollouts in an environment; null: single-turn prompts and a reward."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """One host or a multi-node Ray cluster: Ray address, engine bind address, placement."""
+    threads: ThreadsConfig = field(default_factory=ThreadsConfig)
+    """CPU thread budget of the learner and the local engine servers (auto: split the cores)."""
 
 
 #: Dataclass field names that differ from their YAML key (Python keywords).

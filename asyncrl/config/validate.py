@@ -37,6 +37,7 @@ from asyncrl.config.rules import (  # the name tables are re-exported: tests rea
     RESUME_MODES,
     RS_CRITERIA,
     STRATEGIES,
+    check_threads,
     one_of,
     port,
     positive,
@@ -76,6 +77,7 @@ def validate(cfg: Config) -> None:
     if cfg.env is not None:
         _check_env(cfg)
     _check_reward(cfg.rollout.reward_fn)
+    check_threads(cfg.threads.learner, cfg.threads.engine)
 
 
 def _check_numbers(node: Any, path: str) -> None:
@@ -128,8 +130,22 @@ def _check_loop(cfg: Config) -> None:
     positive("weight_sync.timeout_s", ws.timeout_s)
     positive("logging.eval_interval", cfg.logging.eval_interval, allow_zero=True)
     positive("logging.eval_size", cfg.logging.eval_size, allow_zero=True)
+    _check_eval_engine(cfg)
     positive("actor.checkpoint.save_interval", cfg.actor.checkpoint.save_interval, allow_zero=True)
     _check_resume(cfg.actor.checkpoint.resume)
+
+
+def _check_eval_engine(cfg: Config) -> None:
+    """`logging.eval_engine: dedicated` takes the last engine from rollout: one must be left."""
+    infer, log = cfg.actor_infer, cfg.logging
+    if log.eval_engine != "dedicated":
+        return
+    urls = infer.strategy_args.strategy_config.get("server_urls") or []  # attached servers
+    engines = len(urls) or max(1, len(infer.device_mapping) // max(1, infer.num_gpus_per_worker))
+    if engines < 2 or log.eval_interval == 0:
+        why = f"actor_infer has {engines} engine" if engines < 2 else "logging.eval_interval is 0"
+        raise ConfigError(f"logging.eval_engine: dedicated needs >= 2 engines and evaluation "
+                          f"(eval_interval > 0), but {why}; use shared")  # fmt: skip
 
 
 def _check_resume(resume: str) -> None:
@@ -173,6 +189,13 @@ def _check_worker(role: str, worker: WorkerConfig) -> None:
     _check_sampling(f"{role}.generating_args", worker.generating_args)
     _check_devices(f"{role}.device_mapping", worker.device_mapping)
     _check_sections_read(role, worker)
+    mix = worker.model_args.warm_start_mix
+    if mix and (role != "actor_train" or worker.model_args.model_name_or_path):
+        # The mix picks which embedded model is built; every other role follows actor_train's.
+        raise ConfigError(
+            f"{role}.model_args.warm_start_mix: mixes the embedded model's warm-start, so it is "
+            "read on actor_train only and with an empty model_name_or_path"
+        )
     if worker.model_args.dtype == "fp16" and name == "hf_infer":
         raise ConfigError(
             f"{role}.model_args.dtype: fp16 is not served by hf_infer (fp32 or bf16; SGLang "

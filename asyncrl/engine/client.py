@@ -10,13 +10,21 @@ weight-update session where one is required; `finish_update` closes it, sets the
 the bucket's own is lost, and continues. Every generate request carries a prefix-cache
 namespace (SGLang's `extra_key`) named after the newest weight version this client has seen
 the engine report, so KV computed under old weights is never matched by requests of a new one.
+
+SGLang's native LoRA (`lora_sync: native`, `weights/lora_native.py`; a client made with
+`lora=True`): each /generate names by `lora_path` the adapter `asyncrl-v{N}` of the newest
+version N the engine reported (reported only once every engine holds it). A request runs
+wholly on the adapter it named: its tokens get that version, whatever the engine reports at
+the end. A refused adapter (unloaded meanwhile): ask the version again, retry once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import aiohttp
 
@@ -29,12 +37,15 @@ from asyncrl.engine.replies import (
     GenerateRequest,
     parse_completion,
 )
-from asyncrl.engine.versions import EngineProfile, profile_for
+from asyncrl.engine.versions import EngineProfile, profile_for, seed_warning
+from asyncrl.weights.lora_names import adapter_name
 
 __all__ = ["FINISH_TYPES", "Completion", "EngineClient", "EngineError", "EngineReplyError"]
 __all__ += ["EngineTimeoutError", "GenerateRequest", "cache_namespace", "parse_completion"]
 #: How often `prepare_update` asks for a cache flush while the engine drains.
 FLUSH_POLL_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
 def cache_namespace(version: int | None) -> str:
@@ -46,7 +57,8 @@ class EngineClient:
     """One engine server. `timeout` (s) bounds generate calls, `control_timeout` the rest.
 
     `api_key`: the engine's shared secret (SGLang's `--api-key`), sent on every call as
-    `Authorization: Bearer <api_key>`; None sends no header (an engine without a key)."""
+    `Authorization: Bearer <api_key>`; None sends no header (an engine without a key).
+    `lora`: generate on asyncrl's LoRA adapters (`lora_sync: native`, see above)."""
 
     def __init__(
         self,
@@ -56,6 +68,7 @@ class EngineClient:
         control_timeout: float = 60.0,
         max_connections: int = 256,
         api_key: str | None = None,
+        lora: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
@@ -66,6 +79,8 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.seen_version: int | None = None  # newest weight version in this engine's replies
         self._profile: EngineProfile | None = None
+        self._lora: int | None = None  # the adapter version requests name; None: no LoRA
+        self._lora_known = not lora  # whether the engine was asked for its adapters yet
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"
@@ -135,6 +150,7 @@ class EngineClient:
         `--enable-priority-scheduling`, always by the hf server); None sends none."""
         if isinstance(req, dict):
             req = _request_from_dict(self.url, req)
+        lora = await self._current_lora()
         body = {
             "input_ids": list(req.input_ids),
             "sampling_params": dict(req.sampling_params),
@@ -143,14 +159,33 @@ class EngineClient:
         }
         if req.rid is not None:
             body["rid"] = req.rid
-        body["extra_key"] = req.extra_key or cache_namespace(self.seen_version)
+        own = cache_namespace(self.seen_version if lora is None else lora)
+        body["extra_key"] = req.extra_key or own
         if priority is not None:
             body["priority"] = priority
-        data = await self._call_ok("POST", "/generate", body, self.timeout)
+        if lora is not None:
+            body["lora_path"] = adapter_name(lora)
+        data, lora = await self._post_generate(body, lora, req.extra_key is None)
         completion = parse_completion(self.url, data, req.return_logprob)
         if completion.version is not None:
             self.seen_version = max(self.seen_version or 0, completion.version)
+        if lora is not None:  # every token was sampled by the adapter the request named
+            completion = replace(completion, weight_version=str(lora), output_token_versions=None)
         return completion
+
+    async def _post_generate(self, body: dict, lora: int | None, own_key: bool) -> tuple:
+        """(reply, adapter version it ran on); a refused adapter is retried once on the new."""
+        try:
+            return await self._call_ok("POST", "/generate", body, self.timeout), lora
+        except EngineError as e:
+            if lora is None or "lora" not in e.problem.lower():
+                raise
+            await self.refresh_lora()
+            if self._lora in (None, lora):
+                raise
+        key = {"extra_key": cache_namespace(self._lora)} if own_key else {}
+        body = {**body, "lora_path": adapter_name(self._lora), **key}
+        return await self._call_ok("POST", "/generate", body, self.timeout), self._lora
 
     async def generate(self, requests: Sequence[GenerateRequest | dict]) -> list[Completion]:
         """One HTTP request per item, concurrently, so the engine batches them dynamically."""
@@ -180,6 +215,8 @@ class EngineClient:
             if not isinstance(data, dict) or not isinstance(data.get("version"), str):
                 raise EngineReplyError(self.url, f"server info has no version: {_one_line(data)}")
             self._profile = profile_for(data["version"])
+            if warning := seed_warning(data, self.url):
+                log.warning("%s", warning)
         return self._profile
 
     async def begin_weight_update(self) -> str:
@@ -243,8 +280,10 @@ class EngineClient:
             raise EngineReplyError(self.url, f"/get_weight_version reply: {_one_line(data)}")
         return str(data["weight_version"])
 
-    async def update_weight_version(self, version: int | str) -> str:
-        body = {"new_version": str(version), "abort_all_requests": False}
+    async def update_weight_version(
+        self, version: int | str, abort_all_requests: bool = False
+    ) -> str:
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
         return await self._call_success("/update_weight_version", body, None)
 
     # ---- weight updates --------------------------------------------------------------------
@@ -298,14 +337,42 @@ class EngineClient:
 
     # ---- LoRA adapters (SGLang's native path; needs an engine launched with --enable-lora) ----
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
-        """POST /load_lora_adapter: the engine loads the PEFT adapter directory `lora_path` (a
-        path on the engine's host) under `lora_name`, which /generate selects by `lora_path`."""
+        """The engine loads the PEFT adapter directory `lora_path` (on its host) as `lora_name`."""
         body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
         await self._lora_call("/load_lora_adapter", body)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
-        """POST /unload_lora_adapter: drop adapter `lora_name` from the engine."""
         await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def lora_adapters(self) -> list[str]:
+        """The adapters in `/v1/models` (entries with a `parent`); [] without it (hf engine)."""
+        status, data = await self._call("GET", "/v1/models")
+        if status != 200:
+            return []
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(cards, list):
+            raise EngineReplyError(self.url, f"/v1/models reply lacks data: {_one_line(data)}")
+        return [str(c.get("id")) for c in cards if isinstance(c, dict) and c.get("parent")]
+
+    async def refresh_lora(self) -> None:
+        """Name the adapter of the version the engine reports, asked by a 1-token /generate
+        (routed like any request; every engine holds the adapter of a reported version)."""
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
+        body["return_logprob"] = False
+        data = await self._call_ok("POST", "/generate", body, self.timeout)
+        version = parse_completion(self.url, data, False).version
+        if version is None:
+            raise EngineReplyError(self.url, "its weight_version names no adapter of asyncrl's")
+        self.seen_version = self._lora = max(self.seen_version or 0, version)
+        self._lora_known = True
+
+    async def _current_lora(self) -> int | None:
+        """The adapter version the next request names (None: no adapter of asyncrl's)."""
+        if not self._lora_known:
+            await self.refresh_lora()
+        if self._lora is not None and (self.seen_version or 0) > self._lora:
+            self._lora = self.seen_version
+        return self._lora
 
     async def _lora_call(self, path: str, body: dict) -> None:
         """SGLang answers these with `LoRAUpdateOutput`: {success, error_message, ...}."""

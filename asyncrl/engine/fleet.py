@@ -21,15 +21,16 @@ import concurrent.futures
 import functools
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config.schema import ClusterConfig, WeightSyncConfig, WorkerConfig
-from asyncrl.device import DeviceSpec, resolve_backend, torch_dtype
+from asyncrl.device import DeviceSpec, ThreadShare, resolve_backend, torch_dtype
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.process import ServerHandle
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
+from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
 from asyncrl.weights.sync import WeightSender, WeightSource
 
 
@@ -61,14 +62,16 @@ def make_launcher(
     api_key: str | None = None,
     eval_priority: int | None = None,
     cluster: ClusterConfig | None = None,
+    lora: NativeLora | None = None,
 ) -> EngineLauncher:
     """The launcher for `infer.strategy_args.strategy_name` (hf_infer | sglang).
+    `lora`: `weight_sync.lora_sync: native` (SGLang engines launched with LoRA enabled).
     `eval_priority`: the evaluation requests' priority (None: no evaluation); SGLang needs its
     priority scheduler switched on at launch when it differs from rollout's 0, ours does not.
     With `cluster.address` (multi-node) the engines are Ray actors placed on the cluster's
     nodes, each running this same launcher on its node (`engine/placement.py`)."""
     cluster = cluster or ClusterConfig()
-    args = (infer, model_dir, log_dir, seed, api_key, eval_priority, cluster.bind_host)
+    args = (infer, model_dir, log_dir, seed, api_key, eval_priority, cluster.bind_host, lora)
     local = local_launcher(*args)
     if not cluster.address.strip():
         return local
@@ -85,6 +88,7 @@ def local_launcher(
     api_key: str | None,
     eval_priority: int | None,
     host: str,
+    lora: NativeLora | None = None,
 ) -> EngineLauncher:
     """The backend's own launcher: servers on this node, bound to `host`."""
     name = infer.strategy_args.strategy_name
@@ -94,11 +98,12 @@ def local_launcher(
         return HFLauncher(infer, model_dir, log_dir, seed, api_key, host=host)
     if name == "sglang":
         from asyncrl.device import detect_device
-        from asyncrl.engine.sglang import SGLangLauncher
+        from asyncrl.engine.sglang import LoraServing, SGLangLauncher
 
+        serving = LoraServing(lora.rank, lora.target_modules) if lora else None
         return SGLangLauncher(
             infer, model_dir, log_dir, seed, detect_device(), api_key,
-            eval_priority=eval_priority, host=host,
+            eval_priority=eval_priority, host=host, lora=serving,
         )  # fmt: skip
     raise ValueError(f"actor_infer.strategy_args.strategy_name {name!r}: expected hf_infer|sglang")
 
@@ -152,7 +157,9 @@ class EngineFleet:
     `health_interval_s`, `health_timeout_s`, `health_failures`: an engine whose process lives
     is relaunched after `health_failures` background health checks in a row failed (no 200
     from /health_generate within `health_timeout_s`); a check round starts at most every
-    `health_interval_s`."""
+    `health_interval_s`. `dedicated_eval` (`logging.eval_engine: dedicated`): the last engine
+    serves evaluation alone (`eval_clients`); rollout workers are never routed to it
+    (`urls_for_worker`), while syncs, health checks and healing reach it like any other."""
 
     def __init__(
         self,
@@ -171,6 +178,8 @@ class EngineFleet:
         health_interval_s: float = 10.0,
         health_timeout_s: float = 30.0,
         health_failures: int = 2,
+        dedicated_eval: bool = False,
+        lora: NativeLora | None = None,
     ) -> None:
         self.infer, self.ws, self.pause_mode = infer, weight_sync, pause_mode
         self.request_timeout_s, self.runner = request_timeout_s, runner
@@ -182,23 +191,61 @@ class EngineFleet:
         self.backend = "gloo"  # of the weight-update group; resolved by `_init_group`
         self.multinode = cluster is not None and bool(cluster.address.strip())
         self.launcher = make_launcher(
-            infer, model_dir, output_dir / "engine_logs", seed, api_key, eval_priority, cluster
-        )
+            infer, model_dir, output_dir / "engine_logs", seed, api_key, eval_priority, cluster,
+            lora,
+        )  # fmt: skip
+        # lora_sync native: syncs load adapters by name (no broadcast); clients name them
+        self.native = NativeLoraSync(lora.lora_dir, weight_sync.timeout_s) if lora else None
         self.api_key = self.launcher.api_key  # what rollout workers' clients must send
         self.num_engines = self.launcher.num_engines
-        self.sender = WeightSender(timeout_s=weight_sync.timeout_s)
+        if dedicated_eval and self.num_engines < 2:  # `config validate` refuses it first
+            raise ValueError(
+                f"logging.eval_engine: dedicated needs at least 2 engines, actor_infer has "
+                f"{self.num_engines}"
+            )
+        # The evaluation engine is the last one: rollout keeps engines 0..n-2 (and their order).
+        self.eval_index = self.num_engines - 1 if dedicated_eval else None
+        # hf engines join the update group through asyncrl's own code, which checks sealed
+        # (HMAC'd) rendezvous values; SGLang builds its own plain store.
+        seal = infer.strategy_args.strategy_name == "hf_infer"
+        self.sender = WeightSender(timeout_s=weight_sync.timeout_s, seal=seal)
 
     # -- processes ---------------------------------------------------------------------------
-    def start(self, source: WeightSource) -> None:
-        """Launch every engine, form the update group and push `source`'s weights."""
-        self.handles = [self.launcher.launch(i) for i in range(self.num_engines)]
+    def start(
+        self,
+        source: WeightSource,
+        meanwhile: Callable[[], Any] | None = None,
+        threads: Sequence[ThreadShare] = (),
+    ) -> Any:
+        """Launch every engine, form the update group and push `source`'s weights; returns
+        what `meanwhile` returned. `meanwhile` runs while the engines load, once their URLs
+        are known (the run starts its rollout workers there: they need the URLs, not the
+        engines). `threads`: each local hf engine's share of the run's thread budget.
+
+        A launcher with `spawn`/`wait_ready` (hf_infer) starts every engine before waiting
+        for any, so the models load at once and beside `meanwhile`; the others' `launch`
+        returns a ready engine, and `meanwhile` runs after the last one."""
+        if threads and hasattr(self.launcher, "threads"):
+            self.launcher.threads = threads  # kept: a relaunched engine gets the same share
+        spawn = getattr(self.launcher, "spawn", None)
+        launch = spawn or self.launcher.launch
+        # From the calling thread, never a helper: an engine dies with the thread that
+        # started it (engine/process.py), and the run's main thread outlives its engines.
+        self.handles = [launch(i) for i in range(self.num_engines)]
+        done = meanwhile() if meanwhile is not None else None
+        if spawn is not None:
+            self.handles = [self.launcher.wait_ready(h) for h in self.handles]
         self.clients = [self._client(h.url) for h in self.handles]
         self._init_group()
         self.sync(source)
+        return done
 
     def _client(self, url: str) -> EngineClient:
         async def make() -> EngineClient:  # aiohttp sessions belong to the control loop
-            return EngineClient(url, timeout=self.request_timeout_s, api_key=self.api_key)
+            return EngineClient(
+                url, timeout=self.request_timeout_s, api_key=self.api_key,
+                lora=self.native is not None,
+            )  # fmt: skip
 
         return self.runner.run(make())
 
@@ -223,14 +270,27 @@ class EngineFleet:
         """Ray options of rollout worker `index`: multi-node, it runs beside its first engine
         (in that engine's bundle, so workers spread over the engines' nodes); else none."""
         options = getattr(self.launcher, "actor_options", None)
-        return options(index % self.num_engines) if options else {}
+        return options(index % len(self._rollout_engines())) if options else {}
+
+    def _rollout_engines(self) -> list[int]:
+        """The engines rollout generates on: all of them, or all but the evaluation engine."""
+        return [i for i in range(self.num_engines) if i != self.eval_index]
 
     def urls_for_worker(self, index: int) -> list[str]:
-        """Every rollout worker may use every engine; workers start on different ones. With a
-        router (sglang, several engines) every worker generates through the router."""
-        urls = self.launcher.actor_urls([h.url for h in self.handles])
+        """Every rollout worker may use every rollout engine (not a dedicated evaluation
+        engine); workers start on different ones. With a router (sglang, several engines)
+        every worker generates through the router, which is given the rollout engines only."""
+        engines = [self.handles[i].url for i in self._rollout_engines()]
+        urls = self.launcher.actor_urls(engines)
         shift = index % len(urls)
         return urls[shift:] + urls[:shift]
+
+    def eval_clients(self) -> list[EngineClient]:
+        """The clients evaluation sends its requests through: the dedicated evaluation
+        engine's alone, else every engine's (shared with rollout, at evaluation's priority)."""
+        if self.eval_index is None:
+            return list(self.clients)
+        return [self.clients[self.eval_index]]
 
     def heal(self, source: WeightSource) -> bool:
         """Relaunch every engine that cannot generate (its process died, or its background
@@ -256,6 +316,8 @@ class EngineFleet:
 
     def stop(self) -> None:
         self.health.close()
+        if self.native is not None:  # unloads still waiting: moot, the engines stop
+            self.runner.run(self.native.close(), timeout=10)
         try:
             self.runner.run(self.sender.close(), timeout=30)
         except Exception:  # noqa: BLE001 - engines may be gone already
@@ -277,18 +339,22 @@ class EngineFleet:
         return torch_dtype(served) if served else None
 
     def sync(self, source: WeightSource) -> dict[str, float]:
-        """Broadcast `source`'s weights into every engine at its version; timing metrics."""
-        stats = self.runner.run(
-            self.sender.sync(
+        """Broadcast `source`'s weights into every engine at its version (`lora_sync: native`:
+        load its adapter by name, `weights/lora_native.py`); timing metrics."""
+        if self.native is not None:
+            job = self.native.sync(
+                self.clients, source.adapter_for_sync(), source.version, self.pause_mode
+            )
+        else:
+            job = self.sender.sync(
                 self._tensors(source),
                 source.version,
                 bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
                 load_format=self._load_format(),
                 pause_mode=self.pause_mode,
                 dtype=self._served_dtype(),
-            ),
-            timeout=self.ws.timeout_s * 4,
-        )
+            )
+        stats = self.runner.run(job, timeout=self.ws.timeout_s * 4)
         self.counters["syncs"] += 1
         self.last_sync = {
             "sync/seconds": stats.seconds,

@@ -39,6 +39,11 @@ rollout's (0), launched servers get `--enable-priority-scheduling --default-prio
 (`with_priority`). That needs `schedule_policy` fcfs or lof (SGLang asserts it) and a release
 with `--default-priority-value` (read in 0.5.23; 0.5.6 lacks it): otherwise one line refuses it.
 
+LoRA (`weight_sync.lora_sync: native`): launched servers get `--enable-lora --max-lora-rank R
+--lora-target-modules M...` (`with_lora`: R the adapter's rank, M `all` for peft's all-linear
+or the listed modules; strategy_config keys of the same names win). Attached servers must have
+been started so; a refused adapter load then names what is missing.
+
 Launched processes die with the driver, SIGKILL included (`engine/process.py`).
 """
 
@@ -78,6 +83,27 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ROLLOUT_PRIORITY = 0
 #: The lowest release read that has `--default-priority-value` (0.5.6 does not).
 PRIORITY_DEFAULT_VERSION = (0, 5, 23)
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """What the engines must serve for `lora_sync: native`: the adapter's rank and targets."""
+
+    rank: int
+    target_modules: str | list[str]  # peft's: "all-linear" or module names
+
+
+def with_lora(settings: SGLangSettings, lora: LoraServing | None) -> SGLangSettings:
+    """`settings` with SGLang's LoRA flags for `lora` (unchanged without; attached servers
+    keep the flags they were started with)."""
+    if lora is None or settings.server_urls:
+        return settings
+    targets = lora.target_modules
+    flags = dict(settings.server_flags)
+    flags.setdefault("enable_lora", True)
+    flags.setdefault("max_lora_rank", lora.rank)
+    flags.setdefault("lora_target_modules", ["all"] if targets == "all-linear" else list(targets))
+    return replace(settings, server_flags=flags)
 
 
 class SGLangConfigError(ValueError):
@@ -316,10 +342,12 @@ class SGLangLauncher:
         api_key: str | None = None,
         eval_priority: int | None = None,
         host: str = "127.0.0.1",
+        lora: LoraServing | None = None,
     ) -> None:
         settings = SGLangSettings.parse(infer.strategy_args.strategy_config, infer.model_args.dtype)
         if "host" not in infer.strategy_args.strategy_config:  # cluster.bind_host
             settings = replace(settings, host=host)
+        settings = with_lora(settings, lora)
         self.settings = with_priority(settings, eval_priority, installed_sglang())
         # Attached servers keep the key they were started with; launched ones get the run's.
         self.api_key = self.settings.api_key or api_key

@@ -16,6 +16,10 @@ Read from SGLang's own source (wheels 0.5.6, 0.5.21, 0.5.23; see tests/test_sgla
   counts (the flush never succeeds while paused) and 0.5.6's and >= 0.5.21's do not
   (`is_fully_idle(ignore_waiting=paused)`): `flush_modes`.
 - 0.5.23 reports per-token version spans (`meta_info["weight_versions"]`).
+- Every request carries a `sampling_seed`, which SGLang honours only when the server runs
+  with `--enable-deterministic-inference` (0.5.6 and 0.5.23 alike: `SamplingBatchInfo` builds
+  the seed tensor only then); `check_server_info` refuses an engine whose server info reports
+  the flag off.
 
 `hf` is asyncrl's own server (`engine/hf`): the newest protocol, minus the session.
 """
@@ -23,7 +27,9 @@ Read from SGLang's own source (wheels 0.5.6, 0.5.21, 0.5.23; see tests/test_sgla
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 #: The supported range, as in pyproject.toml's `sglang` extra: lowest and highest read.
 MIN_VERSION = (0, 5, 6)
@@ -56,6 +62,23 @@ def parse_version(text: str) -> tuple[int, int, int]:
     if not m:
         raise UnsupportedEngineError(f"engine reports version {text!r}, not MAJOR.MINOR.PATCH")
     return int(m[1]), int(m[2]), int(m[3])
+
+
+def seed_warning(info: Mapping[str, Any], url: str) -> str | None:
+    """What to tell the user about an SGLang engine that ignores the per-request
+    `sampling_seed` asyncrl sends (SGLang builds its seed tensor only under
+    `--enable-deterministic-inference`, 0.5.6 and 0.5.23 read): sampling still works, but is
+    not reproducible. Not a refusal: deterministic inference trades throughput (batch-invariant
+    kernels) and is the user's choice. A server that does not report the flag (asyncrl's hf
+    server, which always honours the seed) gets none."""
+    if info.get("enable_deterministic_inference") is not False:
+        return None
+    return (
+        f"SGLang at {url} runs without --enable-deterministic-inference: it ignores the "
+        "per-request sampling_seed, so sampling is not reproducible (set actor_infer."
+        "strategy_args.strategy_config.enable_deterministic_inference: true for that, at "
+        "some throughput cost)"
+    )
 
 
 def profile_for(version: str) -> EngineProfile:

@@ -5,6 +5,8 @@ answers one of `left, down, right, up`; reward 1 on reaching the goal, episode o
 the goal; success (`info["solved"]`, what held-out evaluation counts) is reaching the goal.
 With `random_map` every seed gets its own solvable map (gymnasium's generator, seeded), so seeds
 are distinct prompts; otherwise the fixed `map_name` map is used for every seed.
+The embedded model learns this idiom (random-policy play, never a solution) with
+`actor_train.model_args.warm_start_mix: [frozenlake]` (`asyncrl/models/mix.py`).
 """
 
 from __future__ import annotations

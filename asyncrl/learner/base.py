@@ -43,11 +43,13 @@ class Learner(Checkpointable, Protocol):
 
 def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
     """Build the learner for a strategy name; heavy backends are imported only when chosen.
-    `world_size` > 1 runs the torch learner as that many data-parallel processes."""
+    `world_size` > 1 runs the torch learner as that many data-parallel processes; `placement`
+    (a `learner.placement.RankPlacement`) says where ranks 1.. run (default: this node)."""
+    placement = kwargs.pop("placement", None)
     if name == "fsdp2_train" and world_size > 1:
         from asyncrl.learner.torch.distributed import DistributedTorchLearner
 
-        return DistributedTorchLearner(world_size, **kwargs)
+        return DistributedTorchLearner(world_size, placement, **kwargs)
     if name == "fsdp2_train":
         from asyncrl.device import detect_device, worker_device
         from asyncrl.learner.torch.learner import TorchLearner

@@ -37,6 +37,9 @@ import torch
 from asyncrl.algo.agg import agg_loss, masked_mean, masked_sum
 from asyncrl.learner import packing
 from asyncrl.learner.reference import vocab_size
+from asyncrl.learner.torch.fsdp import gather_rows as _gather_rows
+from asyncrl.learner.torch.fsdp import local_value as _full
+from asyncrl.learner.torch.fsdp import set_gradient_sync as _set_gradient_sync
 
 Batch = dict[str, torch.Tensor]
 
@@ -146,8 +149,11 @@ class ValueModel(torch.nn.Module):
     def forward(self, data: Batch, packed: bool = False) -> torch.Tensor:
         """[B, R] values of the response tokens' states (see the module docstring); `packed`:
         from one forward of the rows' real tokens (`packing.packed_hidden_states`)."""
+        # .clone(): not a view of the head's output, which FSDP2's backward hook must not be
+        # (an in-place op on a view would skip it; it warns on every sharded forward)
         if packed:
-            return self.value_head(packing.packed_hidden_states(self.trunk, data)).squeeze(-1)
+            hidden = packing.packed_hidden_states(self.trunk, data)
+            return self.value_head(hidden.float()).squeeze(-1).clone()
         resp_len = data["response_mask"].shape[1]
         prompt_len = data["input_ids"].shape[1] - resp_len
         hidden = self.trunk(
@@ -156,11 +162,14 @@ class ValueModel(torch.nn.Module):
             position_ids=data["position_ids"],
             use_cache=False,
         ).last_hidden_state[:, prompt_len - 1 : prompt_len - 1 + resp_len]
-        return self.value_head(hidden.float()).squeeze(-1)
+        return self.value_head(hidden.float()).squeeze(-1).clone()
 
 
 class TorchCritic:
-    """`Critic` over a `ValueModel` with its own optimizer and learning-rate schedule."""
+    """`Critic` over a `ValueModel` with its own optimizer and learning-rate schedule. With
+    `world_size` > 1 the model is FSDP2-sharded (`asyncrl.learner.torch.critic`) and every rank
+    is handed the whole batch: each scores and trains on its own rows (row r on rank r % W),
+    running as many forwards as every other rank (each is a collective)."""
 
     def __init__(
         self,
@@ -168,23 +177,40 @@ class TorchCritic:
         optimizer: torch.optim.Optimizer,
         lr_lambda: Callable[[int], float],
         settings: CriticSettings,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.model, self.optimizer, self.settings = model, optimizer, settings
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.updates = 0  # critic updates so far: seeds each update's shuffle
+        self.rank, self.world_size = rank, world_size
 
     @torch.no_grad()
     def values(self, data: Batch) -> torch.Tensor:
+        """The whole batch's values on every rank: each rank its rows, then gathered."""
         self.model.eval()
         rows, size = data["input_ids"].shape[0], self.settings.infer_batch_size
-        out = torch.zeros_like(data["response_mask"], dtype=torch.float32)
-        for idx in self._passes(data, torch.arange(rows), size):
-            out[idx] = self.model(_rows(data, idx), self.settings.pack_budget is not None)
-        return out * data["response_mask"]
+        mine = torch.arange(self.rank, rows, self.world_size)
+        out = torch.zeros_like(data["response_mask"][mine], dtype=torch.float32)
+        passes = self._passes(data, mine, size)
+        for i in range(self._pass_count(len(passes))):
+            if i >= len(passes):  # out of rows: a forward to match the other ranks' collectives
+                self.model(_rows(data, torch.zeros(1, dtype=torch.long)), self._packed)
+                continue
+            out[passes[i] // self.world_size] = self.model(_rows(data, passes[i]), self._packed)
+        return _gather_rows(out, rows, self.world_size) * data["response_mask"]
+
+    @property
+    def _packed(self) -> bool:
+        return self.settings.pack_budget is not None
+
+    def _pass_count(self, own: int) -> int:
+        """The most passes any rank runs (sharded, every forward is a collective)."""
+        return packing.global_max(own, self.world_size > 1)
 
     def _passes(self, data: Batch, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-        """`rows` in passes of `size` rows, or packed under the token budget (the critic runs
-        in one process: no other rank to match)."""
+        """`rows` in passes of `size` rows, or packed under the token budget; this rank's own
+        (`_pass_count` says how many every rank runs)."""
         budget = self.settings.pack_budget
         if budget is None:
             return [rows[i : i + size] for i in range(0, len(rows), size)]
@@ -194,6 +220,8 @@ class TorchCritic:
     def update(
         self, data: Batch, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, float]:
+        """Every rank walks the same global mini-batches (same seed) over the whole batch and
+        trains on the rows of each that it holds; the metrics are the whole batch's."""
         s, rows = self.settings, data["input_ids"].shape[0]
         mini = s.mini_batch_size or rows
         gen = torch.Generator().manual_seed(self.updates)
@@ -215,45 +243,65 @@ class TorchCritic:
         return metrics
 
     def _mini_batch(self, data: Batch, target: Batch, rows: torch.Tensor) -> dict[str, float]:
-        """One optimizer step over `rows`, accumulated over micro-batches; the loss is
-        normalised over the whole mini-batch, so the micro-batch split does not change it."""
-        s = self.settings
+        """One optimizer step over the global mini-batch `rows` (this rank trains on those it
+        holds), accumulated over micro-batches; the loss is normalised over the whole
+        mini-batch, so neither the micro-batch split nor the rank count changes it."""
+        s, world = self.settings, self.world_size
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = target["mask"][rows].sum().clamp(min=1.0)
-        sums = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
-        for idx in self._passes(data, rows, s.micro_batch_size):
-            mask = target["mask"][idx]
+        tokens = target["mask"][rows].sum().clamp(min=1.0)  # every rank holds every row
+        passes = self._passes(data, rows[rows % world == self.rank], s.micro_batch_size)
+        count = self._pass_count(len(passes))
+        sums = torch.zeros(3, dtype=torch.float64)  # vf_loss, vf_clipfrac, vpred_mean
+        for i in range(count):
+            _set_gradient_sync(self.model, i == count - 1)  # FSDP reduces on the last pass
+            idx = passes[i] if i < len(passes) else rows[:1]
             vpreds = self.model(_rows(data, idx), s.pack_budget is not None)
+            if i >= len(passes):  # out of rows: a zero-loss pass matches the collectives
+                (vpreds.sum() * 0.0).backward()
+                continue
+            mask = target["mask"][idx]
             loss, clipfrac = value_loss(
                 vpreds, target["returns"][idx], target["values"][idx], mask,
                 s.cliprange_value, s.loss_agg_mode, num_tokens=tokens, num_seqs=len(rows),
             )  # fmt: skip
-            loss.backward()
+            (loss * world).backward()  # FSDP averages gradients over the ranks
             share = float(mask.sum() / tokens)  # token-weighted, like verl's masked means
-            sums["critic/vf_loss"] += float(loss.detach())
-            sums["critic/vf_clipfrac"] += float(clipfrac) * share
-            sums["critic/vpred_mean"] += float(masked_sum(vpreds.detach(), mask) / tokens)
+            sums += torch.tensor([float(loss.detach()), float(clipfrac) * share,
+                                  float(masked_sum(vpreds.detach(), mask) / tokens)],
+                                 dtype=torch.float64)  # fmt: skip
+        if world > 1:  # each rank summed its rows' parts: the mini-batch's are their sum
+            torch.distributed.all_reduce(sums)
         norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
         )
+        norm = _full(norm)  # sharded: the global norm over every rank's shards
         if torch.isfinite(norm):  # a non-finite gradient skips the step, as the actor's does
             self.optimizer.step()
         self.scheduler.step()
-        sums["critic/grad_norm"] = float(norm)
-        return sums
+        keys = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
+        return {**dict(zip(keys, sums.tolist(), strict=True)), "critic/grad_norm": float(norm)}
 
     def state_dict(self) -> dict[str, Any]:
+        """Sharded: "sharded" markers for the model and optimizer, whose shards a checkpoint
+        writes with the learner's (`asyncrl.learner.torch.critic.dcp_state`)."""
+        sharded = self.world_size > 1
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": "sharded" if sharded else self.model.state_dict(),
+            "optimizer": "sharded" if sharded else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "updates": self.updates,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A one-process state (whole tensors) into a one-process critic; the other cases:
+        `asyncrl.learner.torch.critic.load_state`."""
         self.model.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+        self.load_schedule(state)
+
+    def load_schedule(self, state: dict[str, Any]) -> None:
+        """The scheduler and update count of `state` (any rank count saved them alike)."""
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.updates = int(state.get("updates", self.updates))

@@ -23,7 +23,9 @@ from asyncrl.algo.advantages import (
 )
 from asyncrl.algo.importance import (
     RolloutIS,
-    apply_rollout_is,
+    compute_rollout_importance_weights,
+    ess_from_lag_sums,
+    lag_sums,
     normalize_weights_to_batch_mean,
 )
 from asyncrl.algo.kl import (
@@ -36,6 +38,7 @@ from asyncrl.algo.kl import (
 from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams
 from asyncrl.algo.rejection import rejection_mask
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig, TrainingArgs
+from asyncrl.types import NOT_GENERATED
 
 _LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
 
@@ -101,8 +104,9 @@ def check_estimator(alg: AlgorithmConfig, has_critic: bool = False) -> None:
 
 def check_learner_side(alg: AlgorithmConfig, has_critic: bool, world_size: int) -> None:
     """What `config validate` refuses about the critic and KL-in-reward, refused again where a
-    learner is built from code: both need the whole batch in one process (one device), a
-    critic only serves gae, and KL-in-reward needs an estimator the learner computes."""
+    learner is built from code: the critic only serves gae; KL-in-reward needs an estimator
+    the learner computes. Both run on any `world_size` (the sharded learner gathers the whole
+    batch's values and logprobs on every rank)."""
     check_estimator(alg, has_critic)
     if has_critic and estimator_stage(alg.adv_estimator) != "critic":
         raise ValueError(f"critic: set, but algorithm.adv_estimator {alg.adv_estimator} reads "
@@ -110,9 +114,6 @@ def check_learner_side(alg: AlgorithmConfig, has_critic: bool, world_size: int) 
     if alg.use_kl_in_reward and estimator_stage(alg.adv_estimator) == "rollout":
         raise ValueError(f"algorithm.use_kl_in_reward: {alg.adv_estimator} is computed in the "
                          "rollout workers; use reinforce_plus_plus(_baseline) or gae")  # fmt: skip
-    if (has_critic or alg.use_kl_in_reward) and world_size > 1:
-        raise ValueError("a critic or algorithm.use_kl_in_reward with a data-parallel "
-                         "actor_train is not available yet: use one device")  # fmt: skip
 
 
 def batch_advantages(
@@ -236,6 +237,54 @@ def prox_from_training_forward(
     )
 
 
+def sequence_lags(versions: torch.Tensor, version: int) -> torch.Tensor:
+    """Each row's staleness [B] (int64) when the learner at `version` trains on it: `version`
+    minus the oldest weight version that generated any of the row's tokens (`versions` [B, R],
+    NOT_GENERATED on padding and environment tokens). The definition of
+    `replay/staleness_hist` (`metrics/batch.py`), per sequence rather than per group: with
+    per-token versions a continued response is as stale as its oldest token. A row with no
+    generated token gets lag 0 (it has no valid token to weigh either)."""
+    generated = versions != NOT_GENERATED
+    oldest = torch.where(generated, versions, torch.iinfo(versions.dtype).max).amin(dim=-1)
+    lags = torch.where(generated.any(dim=-1), version - oldest, 0)
+    return lags.to(torch.int64)
+
+
+def lag_metrics(
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    lags: torch.Tensor,
+    level: str,
+    all_ranks: bool = False,
+) -> dict[str, float]:
+    """`is/ess_by_lag/<k>`: the normalised ESS of the IS weights of the lag-k rows (tokens or
+    sequences, per `level`: `algo.importance.lag_sums`); `is/units_by_lag/<k>`: how many
+    tokens or sequences that ESS is over. `all_ranks`: every rank of the default process
+    group holds a shard of the batch and calls this at the same point (the FSDP learner); the
+    sums are all-reduced, so every rank reports the whole batch's figures under the same keys
+    (what `fsdp.mean_over_ranks` needs) and the ESS is the batch's, not a mean of shards'."""
+    sums = lag_sums(weights, mask, lags, level)
+    if all_ranks:
+        sums = _sum_over_ranks(sums)
+    out: dict[str, float] = {}
+    for lag, (ess, n) in ess_from_lag_sums(sums).items():
+        out[f"is/ess_by_lag/{lag}"], out[f"is/units_by_lag/{lag}"] = ess, float(n)
+    return out
+
+
+def _sum_over_ranks(sums: torch.Tensor) -> torch.Tensor:
+    """`lag_sums` added over the default group's ranks (CPU tensors, as `mean_over_ranks`):
+    first the longest lag range, so every rank reduces tensors of one shape."""
+    import torch.distributed as dist
+
+    size = torch.tensor([sums.shape[0]], dtype=torch.int64)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    padded = torch.zeros(int(size), 3, dtype=torch.float64)
+    padded[: sums.shape[0]] = sums
+    dist.all_reduce(padded)
+    return padded
+
+
 def correct(
     alg: AlgorithmConfig,
     rollout_is: RolloutIS,
@@ -243,18 +292,28 @@ def correct(
     old: torch.Tensor,
     rollout: torch.Tensor,
     mask: torch.Tensor,
+    lags: torch.Tensor | None = None,
+    all_ranks: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """Rollout IS weights, the rejection-filtered loss mask and the mismatch metrics.
 
     `old` is the proximal policy (recomputed, or the rollout logprobs in bypass mode). The
     decoupled loss applies exp(prox - behav) itself, so it gets no separate weights.
     `rollout_is` is `rollout_is_settings(alg)`, built once by the learner, not per batch.
+    `lags` ([B], `sequence_lags`): adds the ESS by staleness (`lag_metrics`) of the weights
+    over the rows rejection sampling keeps, whether or not the loss applies them (metrics-only
+    IS, a loss that reweighs itself); batch normalisation, one scale, leaves an ESS unchanged.
+    `all_ranks`: see `lag_metrics` (a collective: every rank must pass lags at that call).
     """
-    weights, metrics = apply_rollout_is(old, rollout, mask, rollout_is)
+    weights, metrics = compute_rollout_importance_weights(old, rollout, mask, rollout_is)
     if alg.rollout_rs:
         criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
         mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
         metrics.update(rs_metrics)
+    if weights is not None and lags is not None:
+        metrics.update(lag_metrics(weights, mask, lags, rollout_is.level, all_ranks))
+    if not rollout_is.apply:  # metrics only (verl's `rollout_is: false`)
+        weights = None
     if weights is not None and alg.rollout_is_batch_normalize:
         weights = normalize_weights_to_batch_mean(weights, mask, alg.rollout_is_level)
     if loss_mode in LOSSES_NEEDING_BEHAV:

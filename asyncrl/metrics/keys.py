@@ -9,7 +9,9 @@ Per-step values (what happened at this step):
   `version`, `rollout/reward_mean`, `eval/accuracy` (a fraction in [0, 1], only on eval steps),
   `replay/depth`, `throughput/tokens_per_s`, `learner/idle_frac` (a fraction in [0, 1]),
   `sync/seconds`, `mismatch/mismatch_kl`, `mismatch/rollout_is_eff_sample_size`,
-  `replay/staleness_mean`, `replay/staleness_max`.
+  `replay/staleness_mean`, `replay/staleness_max`, `is/ess_by_lag/<k>` (normalised ESS of the
+  rollout IS weights of the sequences k versions stale) and `is/units_by_lag/<k>` (the tokens
+  or sequences it is over).
 
 Staleness histogram, two accepted forms (the first wins when both appear in a run):
   `replay/staleness_hist/<k>`: groups trained *at this step* with staleness k (per-step counts;

@@ -7,7 +7,8 @@
 - `resume: auto` takes the newest complete checkpoint (`Checkpointer.find`) and names the ones
   it skipped; a directory that holds a run but no complete checkpoint is refused as above.
 - Resuming from step k cuts the run back to k: metrics.jsonl, trained_groups.jsonl and the
-  TensorBoard events keep the steps <= k, the checkpoints after k leave and `latest` names k.
+  TensorBoard events keep the steps <= k, the checkpoints after k leave and `latest` names k;
+  the W&B run recorded in the directory is rewound to k when the run's W&B sink opens it.
   What is cut goes to `output_dir/.rolled-back-<time>/`, so a crashed run's last steps are
   neither duplicated by the resumed run nor lost.
 """
@@ -30,6 +31,7 @@ from asyncrl.checkpoint import (
 )
 from asyncrl.metrics.batch import AUDIT_FILE
 from asyncrl.metrics.logger import METRICS_FILE, PLOT_DIR, SUMMARY_FILE, TENSORBOARD_DIR
+from asyncrl.metrics.sinks import WANDB_RUN_FILE, mark_wandb_resume
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import CheckpointConfig
@@ -43,6 +45,7 @@ RUN_ENTRIES = (
     TENSORBOARD_DIR,
     PLOT_DIR,
     ENGINE_LOGS,
+    WANDB_RUN_FILE,  # --overwrite starts a new W&B run too
 )
 
 
@@ -136,6 +139,9 @@ def roll_back(out: Path, ckpt: Checkpointer, found: Loaded) -> Path | None:
     cut += ckpt.discard_after(step, aside)
     if _within(found.path, ckpt.root):
         ckpt.mark_latest(found.path.name)
+    # W&B's history lives on its server: the run's W&B sink rewinds it to `step` when it opens
+    # (metrics/sinks.py:WandbSink), even when nothing local came after the step.
+    mark_wandb_resume(out, step)
     if not cut:
         return None
     after = ", ".join(cut)

@@ -65,8 +65,46 @@ class TensorBoardSink:
         self._writer.close()
 
 
+#: In output_dir: the W&B run this run logs to ({"id", "project"}, plus "resume_step" once
+#: `metrics/rundir.py:roll_back` cut the run back), so a resume continues that W&B run.
+WANDB_RUN_FILE = "wandb_run.json"
+
+
+def read_wandb_record(out: Path) -> dict[str, Any] | None:
+    """The W&B run recorded in `out` (None: none, or a record this code did not write)."""
+    try:
+        record = json.loads((out / WANDB_RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("id"), str) else None
+
+
+def _write_wandb_record(out: Path, record: dict[str, Any]) -> None:
+    tmp = out / (WANDB_RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    tmp.replace(out / WANDB_RUN_FILE)  # atomic: a crash leaves the old record or the new
+
+
+def mark_wandb_resume(out: Path, step: int) -> bool:
+    """Have the next W&B sink in `out` rewind its run to `step` (the checkpoint a resume took):
+    the history W&B holds past it was logged by the steps the resumed run trains again. False:
+    no W&B run was recorded there."""
+    record = read_wandb_record(out)
+    if record is None:
+        return False
+    _write_wandb_record(out, {**record, "resume_step": step})
+    return True
+
+
 class WandbSink:
-    """A W&B run in `project`; wandb is imported only here, when a project is configured."""
+    """A W&B run in `project`; wandb is imported only here, when a project is configured.
+
+    The run's id is recorded in `output_dir` (WANDB_RUN_FILE). A resumed run continues that W&B
+    run rewound to the checkpoint's step with W&B's own rewind (`resume_from="<id>?_step=<k+1>"`,
+    wandb >= 0.17.1: history from step k+1 on is archived, then logged again); where the account
+    or SDK cannot rewind, a fork at that step (`fork_from`, wandb >= 0.16.5, a new run id); and
+    where neither is possible, a new run, saying so in one line. Never logging into the old
+    history past k: W&B drops a step it has seen (steps must increase), losing the new rows."""
 
     def __init__(
         self, project: str, name: str | None, config: dict | None, output_dir: Path
@@ -78,10 +116,44 @@ class WandbSink:
                 f"logging.wandb_project is {project!r} but the `wandb` package is not "
                 "installed: pip install wandb, or set logging.wandb_project: null"
             ) from None
-        self._run = wandb.init(project=project, name=name, config=config, dir=str(output_dir))
+        out = Path(output_dir)
+        base = {"project": project, "name": name, "config": config, "dir": str(out)}
+        self._run = _start_run(wandb, base, read_wandb_record(out))
+        run_id = getattr(self._run, "id", None)  # wandb's Run has one; without, nothing to resume
+        if run_id is not None:
+            _write_wandb_record(out, {"id": str(run_id), "project": project})
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _start_run(wandb: Any, base: dict[str, Any], record: dict[str, Any] | None) -> Any:
+    """A new W&B run, the recorded one continued, or it rewound (else forked) to its
+    `resume_step` (see WandbSink)."""
+    if record is None:
+        return wandb.init(**base)
+    run_id, step = record["id"], record.get("resume_step")
+    if not isinstance(step, int):  # restarted without a roll-back: nothing to cut
+        return wandb.init(**base, id=run_id, resume="allow")
+    at, errors = f"{run_id}?_step={step + 1}", []
+    for how in ("resume_from", "fork_from"):
+        try:
+            run = wandb.init(**base, **{how: at})
+        except Exception as e:  # noqa: BLE001 - a preview feature the account or SDK may lack
+            errors.append(f"{how}: {_one_line(e)}")
+            continue
+        if how == "fork_from":
+            print(f"asyncrl: W&B could not rewind run {run_id} ({errors[0]}); forked it at "
+                  f"step {step} as run {run.id}")  # fmt: skip
+        return run
+    print(f"asyncrl: W&B could neither rewind nor fork run {run_id} at step {step} "
+          f"({'; '.join(errors)}); logging to a new W&B run")  # fmt: skip
+    return wandb.init(**base)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

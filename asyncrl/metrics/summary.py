@@ -60,6 +60,7 @@ def summarize(history: History, wall_time_s: float) -> dict[str, Any]:
         "groups_over_bound": history.latest_finite(keys.OVER_BOUND),
         "length_ratio": history.latest_finite(keys.LENGTH_RATIO),
         "mismatch_kl_mean": _mean(history.values(keys.MISMATCH_KL)),
+        "first_batch_s": history.latest_finite("time/first_batch_s"),  # start -> step 1
         "staleness_hist": {str(k): n for k, n in hist.items()},
     }
 

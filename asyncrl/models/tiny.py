@@ -3,6 +3,8 @@ short supervised warm-start on the synthetic arithmetic task so that RL starts w
 
 The task format: prompt ``12+345=`` (raw) or the chat-templated user message; the response is
 the answer digits followed by ``<|im_end|>`` (the EOS token). Everything is built locally, no hub.
+`model_args.warm_start_mix` adds environment idioms to the corpus (`mix.py`): another model,
+cached under its own key; without a mix the model and its key are the ones from before mixes.
 """
 
 from __future__ import annotations
@@ -16,17 +18,27 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import EMBEDDED_TASK, ArithmeticTask, make_rows
 from asyncrl.device import torch_threads
 from asyncrl.logs import StepProgress
+from asyncrl.models import mix as mixes
+from asyncrl.models.generate import (  # noqa: F401 - re-exported: the model's evaluation API
+    evaluate_accuracy,
+    greedy_responses,
+    render_prompts,
+)
 
 # Bump when a change here alters what gets built: it is part of the cache key.
 CODE_VERSION = 1
+# Bump when the corpus of a mix (`mix.py`) changes: part of the key of every mixed model only,
+# so the default model's key (and its cached directory) never moves with it.
+MIX_VERSION = 1
+MIX_FIELDS = ("mix", "mix_episodes", "mix_fraction", "mix_batch_size")
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = (PAD, IM_START, IM_END, UNK)
 MARKER = "asyncrl_embedded.json"  # written last: its presence means the directory is complete
@@ -59,13 +71,30 @@ class TinyModelSpec:
     # Share of warm-start answers written as an estimate, ``~360`` for 357 (see `answer_text`).
     estimate_fraction: float = 0.6
     seed: int = 0
+    mix: tuple[str, ...] = ()  # environment idioms added to the corpus (`mix.py`); () = none
+    mix_episodes: int = 4000  # corpus episodes per mix
+    mix_fraction: float = 0.2  # share of warm-start steps that take a batch of mix episodes
+    mix_batch_size: int = 16  # episodes per mix batch (each is ~10x an arithmetic example)
 
     def digest(self) -> str:
-        blob = json.dumps({"spec": asdict(self), "code": CODE_VERSION}, sort_keys=True)
+        spec = asdict(self)
+        if self.mix:
+            spec["mix_version"] = MIX_VERSION
+        else:  # without a mix the key is the one it was before mixes existed
+            for name in MIX_FIELDS:
+                del spec[name]
+        blob = json.dumps({"spec": spec, "code": CODE_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 DEFAULT_SPEC = TinyModelSpec()
+
+
+def embedded_spec(mix: Sequence[str] = ()) -> TinyModelSpec:
+    """The spec of the embedded model with ``mix`` (`model_args.warm_start_mix`) in its
+    warm-start corpus: the default spec itself when the mix is empty."""
+    names = mixes.canonical(mix)
+    return replace(DEFAULT_SPEC, mix=names) if names else DEFAULT_SPEC
 
 
 def build_tokenizer() -> Any:
@@ -118,80 +147,6 @@ def build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
     return model
 
 
-def render_prompts(tokenizer: Any, prompts: Sequence[str], template: str) -> list[str]:
-    """Prompt text as the model sees it: raw (``none``) or wrapped by the chat template."""
-    if template in ("none", "raw"):
-        return list(prompts)
-    if template != "native":
-        raise ValueError(f"template must be 'native' or 'none', got {template!r}")
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-        )
-        for p in prompts
-    ]
-
-
-def greedy_responses(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    max_new_tokens: int = 8,
-    batch_size: int = 64,
-    template: str = "none",
-) -> list[str]:
-    """Greedy continuations of ``prompts`` (batched, left padding), cut after the first EOS,
-    which is kept so the end marker stays visible. The model's train/eval mode and the tokenizer's padding side are
-    restored afterwards (the training loop calls this mid-run)."""
-    import torch
-
-    was_training, old_side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"  # generation continues from the right edge of every row
-    device = next(model.parameters()).device
-    responses: list[str] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            texts = render_prompts(tokenizer, prompts[start : start + batch_size], template)
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=enc["input_ids"].to(device),
-                    attention_mask=enc["attention_mask"].to(device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                )
-            for row in out[:, enc["input_ids"].shape[1] :].tolist():
-                if tokenizer.eos_token_id in row:  # finished rows are padded after their EOS
-                    row = row[: row.index(tokenizer.eos_token_id) + 1]
-                responses.append(tokenizer.decode(row))
-    finally:
-        model.train(was_training)
-        tokenizer.padding_side = old_side
-    return responses
-
-
-def evaluate_accuracy(
-    model: Any,
-    tokenizer: Any,
-    rows: Sequence[dict[str, Any]],
-    max_new_tokens: int = 8,
-    batch_size: int = 64,
-    template: str = "none",
-) -> float:
-    """Greedy exact-match accuracy on rows ``{"prompt", "answer"}``, scored by the
-    ``arithmetic_exact`` reward so that evaluation and RL agree on what is correct."""
-    from asyncrl.rewards.arithmetic import arithmetic_exact
-
-    if not rows:
-        raise ValueError("evaluate_accuracy needs at least one row")
-    prompts = [r["prompt"] for r in rows]
-    texts = greedy_responses(model, tokenizer, prompts, max_new_tokens, batch_size, template)
-    return sum(arithmetic_exact(r["prompt"], t, r) for r, t in zip(rows, texts)) / len(rows)
-
-
 def answer_text(answer: str, estimate: bool) -> str:
     """The warm-start target: the exact answer, or an estimate to the nearest ten (``~360``).
 
@@ -237,6 +192,19 @@ def _collate(batch: list, pad_id: int) -> dict[str, Any]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def _batches(spec: TinyModelSpec, pools: dict[str, list], mix_pool: list) -> Iterator[list]:
+    """The warm-start's ``spec.steps`` batches: arithmetic (raw or chat-templated), and with a
+    mix a ``mix_fraction`` share of mix-episode batches. The mix draws from its own generator,
+    so without a mix the arithmetic batches are exactly those of the model before mixes."""
+    rng, mix_rng = random.Random(spec.seed), random.Random(f"{spec.seed}:mix-batches")
+    for _ in range(spec.steps):
+        if mix_pool and mix_rng.random() < spec.mix_fraction:
+            yield [mix_pool[mix_rng.randrange(len(mix_pool))] for _ in range(spec.mix_batch_size)]
+            continue
+        pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
+        yield [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
+
+
 def warm_start(
     model: Any,
     tokenizer: Any,
@@ -263,16 +231,17 @@ def warm_start(
         return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    rng, loss = random.Random(spec.seed), float("nan")
+    loss = float("nan")
     model.train()
     torch.manual_seed(spec.seed)
     # One thread: at this size a second buys little, and on a busy box (Ray actors, servers)
     # spinning OpenMP threads made steps ~10x slower; it also keeps the result independent of
     # the machine's core count.
     with torch_threads(1):
-        for step in range(spec.steps):
-            pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
-            batch = [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
+        batches = _batches(
+            spec, pools, mixes.corpus(tokenizer, spec.mix, spec.mix_episodes, spec.seed)
+        )
+        for step, batch in enumerate(batches):
             out = model(**_collate(batch, tokenizer.pad_token_id))
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -319,6 +288,9 @@ def build_embedded_model(
         report["heldout_accuracy_chat"] = evaluate_accuracy(
             model, tokenizer, heldout, template="native"
         )
+    if spec.mix:
+        report["mix_version"] = MIX_VERSION
+        report.update(mixes.report(model, tokenizer, spec.mix))
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / MARKER).write_text(json.dumps(report, indent=2) + "\n")

@@ -160,7 +160,10 @@ class EpisodeBuilder:
         self.s, self.env_cfg = settings, settings.env
         resolve_env(self.env_cfg.name)  # a bad name or path fails when the actor starts
         timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
-        self.clients = [EngineClient(u, timeout=timeout, api_key=key) for u in settings.engine_urls]
+        self.clients = [
+            EngineClient(u, timeout=timeout, api_key=key, lora=settings.engine_lora)
+            for u in settings.engine_urls
+        ]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.template = TurnTemplate(self.tokenizer, self.env_cfg.template)

@@ -48,6 +48,9 @@ class RolloutSettings:
     credentials (the receiver must have no secret either)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """The run's API key for the engines' HTTP endpoints (None: engines without one)."""
+    engine_lora: bool = False
+    """`weight_sync.lora_sync: native`: every request names the engines' current LoRA adapter
+    (`EngineClient(lora=True)`)."""
     retry_attempts: int = 4
     """Tries of a prompt in the worker on a retriable error (engine busy or unreachable,
     timeouts) before it is reported failed and re-issued by the dispatcher."""

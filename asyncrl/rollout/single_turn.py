@@ -92,7 +92,10 @@ class GroupBuilder:
 
         self.s = settings
         timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
-        self.clients = [EngineClient(u, timeout=timeout, api_key=key) for u in settings.engine_urls]
+        self.clients = [
+            EngineClient(u, timeout=timeout, api_key=key, lora=settings.engine_lora)
+            for u in settings.engine_urls
+        ]
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.reward_fn = get_reward_fn(settings.rollout.reward_fn)

@@ -74,6 +74,7 @@ class RolloutWorker:
 
     def __init__(self, settings: RolloutSettings) -> None:
         from asyncrl.transport.auth import needs_curve
+        from asyncrl.transport.batcher import SendBatcher
         from asyncrl.transport.zmq import Sender, SenderConfig
 
         self.settings = settings
@@ -88,6 +89,8 @@ class RolloutWorker:
             curve=needs_curve(settings.rollout.transport_host),
         )
         self.sender = self._send_pool.submit(Sender, config).result()
+        # Groups finished while the send thread is busy leave together, in one message.
+        self._batcher = SendBatcher(self.sender, self._send_pool)
 
     async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
         """Generate, score and push a group for every prompt; one result per prompt."""
@@ -98,8 +101,8 @@ class RolloutWorker:
         try:
             group = await self._with_retries(lambda: self.builder.build(item))
             # Only the send is repeated when the transport is full: the group is kept.
-            send = self.sender.send
-            await self._with_retries(lambda: loop.run_in_executor(self._send_pool, send, group))
+            submit = self._batcher.submit
+            await self._with_retries(lambda: asyncio.wrap_future(submit(group), loop=loop))
         except Exception as e:  # noqa: BLE001 - reported back whole, with its class
             error = f"{type(e).__name__}: {e}"
             return PromptResult(item.key, ok=False, error=error, permanent=not is_retriable(e))

@@ -1,7 +1,10 @@
-"""Transport: the wire codec (msgpack header + raw side buffers), the ZMQ PUSH/PULL channel and
-its connection authentication (ZMTP PLAIN or CURVE, keyed by the run's secret)."""
+"""Transport: the wire codec (msgpack header + raw side buffers; one group, or a sender's backlog
+batched in one message), the ZMQ PUSH/PULL channel and its connection authentication (ZMTP
+PLAIN or CURVE, keyed by the run's secret)."""
 
 from asyncrl.transport.auth import Credentials, needs_curve
+from asyncrl.transport.batch import BATCH_KIND, decode_groups, encode_batch, encode_groups
+from asyncrl.transport.batcher import SendBatcher
 from asyncrl.transport.codec import (
     DecodeError,
     EncodeError,
@@ -21,6 +24,7 @@ from asyncrl.transport.zmq import (
 )
 
 __all__ = [
+    "BATCH_KIND",
     "Credentials",
     "DecodeError",
     "EncodeError",
@@ -28,12 +32,16 @@ __all__ = [
     "ReceiverConfig",
     "ReceiverError",
     "ReceiverStats",
+    "SendBatcher",
     "Sender",
     "SenderConfig",
     "TransportTimeout",
     "decode_arrays",
     "decode_group",
+    "decode_groups",
     "encode_arrays",
+    "encode_batch",
     "encode_group",
+    "encode_groups",
     "needs_curve",
 ]

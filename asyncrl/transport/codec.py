@@ -13,6 +13,9 @@ msgspec against a fixed schema, extension types are refused, and array dtypes co
 allowlist (no object dtypes). The header library is msgspec: it measured faster than the
 `msgpack` package on these headers (bench/codec_choice.py, bench/results/codec_choice.json).
 
+Several groups in one message (kind `"trajectory_batch"`, same schema version: the layout above
+with the groups' arrays concatenated and per-group lists in `fields`) are `batch.py`'s.
+
 At rest (checkpoints of the replay queue), a group is stored as the very same frames, length
 prefixed (`group_to_bytes`, `group_from_bytes`), and read back through `decode_group`: the wire
 and the stored format cannot drift apart.
@@ -299,7 +302,12 @@ def decode_group(
     frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES, max_frames: int = MAX_FRAMES
 ) -> TrajectoryGroup:
     """The TrajectoryGroup in `frames`, fully validated, or DecodeError."""
-    views = _views(frames, max_bytes, max_frames)
+    return _decode_group_views(_views(frames, max_bytes, max_frames))
+
+
+def _decode_group_views(views: list[memoryview]) -> TrajectoryGroup:
+    """`decode_group` after `_views` (its limits checked): also the batch decoder's path for
+    a one-group message."""
     header = _parse_header(views[0], _GROUP_DECODER, GROUP_KIND)
     f = header.fields  # group_id, finish_reasons typed-checked by the decoder
     if problem := _plain_problem(f.metadata, "metadata", 1):

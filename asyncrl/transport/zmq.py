@@ -36,6 +36,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -43,12 +44,12 @@ from typing import Any, Generic, TypeVar
 import zmq
 
 from asyncrl.transport.auth import ConnectionGate, Credentials, needs_curve
+from asyncrl.transport.batch import BATCH_BYTES, chunk_groups, decode_groups, encode_groups
 from asyncrl.transport.codec import (
     MAX_FRAMES,
     MAX_MESSAGE_BYTES,
     DecodeError,
     EncodeError,
-    decode_group,
     encode_arrays,
     encode_group,
     message_nbytes,
@@ -105,7 +106,7 @@ class ReceiverConfig:
 
 @dataclass(frozen=True)
 class ReceiverStats:
-    received: int  # records decoded and returned by `get`
+    received: int  # records decoded (a batch message counts each of its groups)
     rejected: int  # messages that failed to decode (dropped, reason logged)
     bytes: int  # bytes of every message read off the socket, rejected ones included
     pings: int  # READY pings seen
@@ -146,6 +147,19 @@ class Sender:
         zero-copy: do not mutate the group's arrays afterwards."""
         frames = encode_group(group, max_bytes=self.config.max_message_bytes)
         return self.send_frames(frames, timeout_s)
+
+    def send_many(
+        self, groups: Sequence[TrajectoryGroup], timeout_s: float | None = USE_CONFIG
+    ) -> int:
+        """Encode and queue `groups` (a sender's backlog) as few messages as the size limit
+        allows, in order; returns their bytes. A batch is queued whole or not at all: on
+        TransportTimeout none of the groups of the message that timed out was sent (earlier
+        messages were). Same zero-copy caveat as `send`."""
+        total = 0
+        for chunk in chunk_groups(groups, min(BATCH_BYTES, self.config.max_message_bytes // 2)):
+            frames = encode_groups(chunk, max_bytes=self.config.max_message_bytes)
+            total += self.send_frames(frames, timeout_s)
+        return total
 
     def send_frames(self, frames: Sequence[Any], timeout_s: float | None = USE_CONFIG) -> int:
         """Queue an already encoded message (list of buffers) as one multipart message."""
@@ -215,7 +229,12 @@ class Receiver(Generic[T]):
         context: zmq.Context | None = None,
     ) -> None:
         self.config = config
-        self._decode = decode or self._decode_group
+        # One message may hold several records (a batch of groups): `_decode_many` returns
+        # them all; `get` hands them out one by one from `_pending`, in order.
+        self._decode_many: Callable[[list[zmq.Frame]], list[Any]] = (
+            self._decode_groups if decode is None else lambda frames: [decode(frames)]
+        )
+        self._pending: deque[Any] = deque()
         self._own_context = context is None
         self._context = context or zmq.Context()
         self._get_lock = threading.Lock()  # guards the socket: zmq sockets are not thread-safe
@@ -255,14 +274,20 @@ class Receiver(Generic[T]):
         self.port = int(self.address.rsplit(":", 1)[1])
         return sock
 
-    def _decode_group(self, frames: list[zmq.Frame]) -> Any:
+    def _decode_groups(self, frames: list[zmq.Frame]) -> list[Any]:
         cfg = self.config
-        return decode_group(frames, max_bytes=cfg.max_message_bytes, max_frames=cfg.max_frames)
+        return decode_groups(frames, max_bytes=cfg.max_message_bytes, max_frames=cfg.max_frames)
 
     def get(self, timeout_s: float | None = None) -> T:
         """The next record; TransportTimeout after `timeout_s` (None: wait forever);
         ReceiverError once the receiver is closed or broken. Pings and rejected messages are
         skipped within the same deadline. A custom `decode`'s non-DecodeError propagates."""
+        if self._pending and self._get_lock.acquire(blocking=False):
+            try:  # the rest of a batch, already decoded and counted: no deadline to keep
+                if self._pending and self._failure is None and not self._closed:
+                    return self._pending.popleft()
+            finally:
+                self._get_lock.release()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         wait = -1 if timeout_s is None else max(0.0, timeout_s)
         if not self._get_lock.acquire(timeout=wait):
@@ -270,11 +295,11 @@ class Receiver(Generic[T]):
         try:
             while True:
                 self._check_open()
+                if self._pending:  # the rest of a batch already decoded and counted
+                    return self._pending.popleft()
                 frames = self._recv(deadline, timeout_s)
                 if frames is not None:
-                    found, record = self._handle(frames)
-                    if found:
-                        return record
+                    self._handle(frames)
         finally:
             self._get_lock.release()
 
@@ -304,24 +329,24 @@ class Receiver(Generic[T]):
                 raise TransportTimeout(f"no record on {self.address} within {timeout_s}s") from None
             return None
 
-    def _handle(self, frames: list[zmq.Frame]) -> tuple[bool, Any]:
-        """(True, record) for a record; (False, None) for a ping or a rejected message."""
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """Decode one message into `_pending` (all its records, or none: a ping, a rejection)."""
         nbytes = sum(len(f) for f in frames)
         if len(frames) == 1 and frames[0].bytes == PING:
             self._count(nbytes, "pings")
-            return False, None
+            return
         try:
-            record = self._decode(frames)
+            records = self._decode_many(frames)
         except DecodeError as e:
             self._count(nbytes, "rejected", error=str(e))
             log.warning("rejected message on %s: %s", self.address, e)
-            return False, None
+            return
         except BaseException as e:  # a decoder bug: this message is lost, say so from now on
             log.error("receiver %s failed: %r", self.address, e)
             self._failure = e
             raise
-        self._count(nbytes, "received")
-        return True, record
+        self._count(nbytes, "received", records=len(records))
+        self._pending.extend(records)
 
     def _refused(self, reason: str) -> None:
         """A handshake the gate refused (called from its thread)."""
@@ -332,9 +357,9 @@ class Receiver(Generic[T]):
         if count & (count - 1) == 0:
             log.warning("refused connection #%d on %s: %s", count, self.address, reason)
 
-    def _count(self, nbytes: int, counter: str, error: str | None = None) -> None:
+    def _count(self, nbytes: int, counter: str, error: str | None = None, records: int = 1) -> None:
         with self._stats_lock:
-            self._counts[counter] += 1
+            self._counts[counter] += records
             self._counts["bytes"] += nbytes
             if error is not None:
                 self._last_error = error

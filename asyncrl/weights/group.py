@@ -15,20 +15,40 @@ under the key prefixes SGLang's `init_custom_process_group` produces (its store 
 
 Every collective goes through `broadcast`, which waits with the group's timeout: a peer that
 never joins makes the call raise instead of hanging.
+
+Authentication of the rendezvous: a TCPStore has none (any local process can connect, list,
+read and write its keys). A group whose name `sealed_group_name()` made (gloo, every rank an
+asyncrl process: the learner and hf engines) seals its store: each value carries an HMAC keyed
+by the name's secret part (`SealedStore`), so a process without it cannot forge a rank's
+address or any other rendezvous value; a forged value makes the join fail with GroupError
+instead of connecting to the forger. The name reaches engines only in the authenticated
+`/init_weights_update_group` call. Not covered: reading the (sealed) values, and spam or
+deletion on the port (denial of service: the join fails at its timeout). SGLang's engines
+build their store themselves (`init_custom_process_group`: a plain `PrefixStore(group_name)`),
+so groups with SGLang engines keep that layout; there a secret group name only keeps blind
+writers off the keys (`list_keys` reveals it once the first rank joined).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import os
+import secrets
+import socket
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from asyncrl.net import route_ip
+from asyncrl.net import free_port, route_ip
 
 BACKENDS = ("gloo", "nccl", "hccl")
+#: Group names starting so are sealed (see the module docstring); the rest is the secret.
+SEALED_PREFIX = "asyncrl-sealed-"
+_TAG = hashlib.sha256().digest_size
 
 
 class GroupError(RuntimeError):
@@ -42,6 +62,111 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def rendezvous_port(master_address: str, tries: int = 64) -> int:
+    """A port for rank 0's TCPStore (`weight_sync.master_port: 0`): free on `master_address`,
+    the address advertised to the engines (multi-node: the node's, not loopback), and on the
+    wildcard of its family, since TCPStore's server listens on every interface."""
+    wildcard = "::" if ":" in master_address else "0.0.0.0"
+    for _ in range(tries):
+        port = free_port(master_address)
+        if _bindable(wildcard, port):
+            return port
+    raise GroupError(f"no port free on both {master_address} and {wildcard} in {tries} tries")
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def sealed_group_name() -> str:
+    """A fresh group name whose second part (128 random bits) is the group's secret."""
+    return SEALED_PREFIX + secrets.token_hex(16)
+
+
+def shown(group_name: str) -> str:
+    """`group_name` for messages and logs: a sealed name's secret left out."""
+    return SEALED_PREFIX + "…" if group_name.startswith(SEALED_PREFIX) else group_name
+
+
+class SealedStore(dist.Store):
+    """A store whose values carry HMAC-SHA256(secret, key ‖ 0 ‖ value): `get` returns a value
+    only if a holder of the secret wrote it under that key. Counters (`add`) stay plain: a
+    forged count can stall a join (denial of service) but never redirect it."""
+
+    def __init__(self, store: dist.Store, secret: bytes) -> None:
+        super().__init__()
+        self._store, self._secret = store, secret
+
+    def _seal(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest() + value
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, self._seal(key, _as_bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        raw = bytes(self._store.get(key))
+        value = raw[_TAG:]
+        if not hmac.compare_digest(raw, self._seal(key, value)):
+            raise GroupError(
+                f"rendezvous value {key!r} failed authentication: written by a process "
+                "without the group's secret"
+            )
+        return value
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        expected, desired = _as_bytes(expected), _as_bytes(desired)
+        sealed = self._seal(key, expected) if expected else b""
+        self._store.compare_set(key, sealed, self._seal(key, desired))
+        return self.get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._store.set_timeout(timeout)
+
+    # torch's C++ trampoline calls these two by their C++ names
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self._store.num_keys()
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802
+        return self._store.delete_key(key)
+
+
+def _keep(*_: object) -> None:
+    """A finalizer that only holds its arguments until the object it watches is gone."""
+
+
+def _as_bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _sealed_store(store: dist.Store, group_name: str) -> SealedStore:
+    """Keys under a digest of the name (never the secret itself), values sealed with it."""
+    digest = hashlib.sha256(b"asyncrl weight-update rendezvous\0" + group_name.encode())
+    prefix = hashlib.sha256(b"asyncrl keys\0" + digest.digest()).hexdigest()[:16]
+    return SealedStore(dist.PrefixStore(prefix, store), digest.digest())
 
 
 def create_group(
@@ -58,6 +183,8 @@ def create_group(
         raise GroupError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if not 0 <= rank < world_size:
         raise GroupError(f"rank {rank} outside world of size {world_size}")
+    if group_name.startswith(SEALED_PREFIX) and backend != "gloo":
+        raise GroupError(f"a sealed group is gloo only, not {backend}")
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore(
@@ -68,25 +195,36 @@ def create_group(
             timeout=timeout,
             wait_for_workers=False,
         )
+        if group_name.startswith(SEALED_PREFIX):
+            sealed = _sealed_store(store, group_name)
+            pg = _gloo_group(sealed, rank, world_size, timeout, master_address)
+            # The C++ group does not keep a Python store (nor the TCPStore server it wraps)
+            # alive: rank 0 returning first would drop the server under the other ranks.
+            weakref.finalize(pg, _keep, sealed)
+            return pg
         if backend == "gloo":
             # The keys torch's helper uses for a gloo group made SGLang's way (see
             # _accelerator_group): PrefixStore(name) / "name/" / "cpu/". Same keys, so a
             # gloo SGLang receiver and asyncrl's hf receiver both meet this sender.
             for prefix in (group_name, f"{group_name}/", "cpu/"):
                 store = dist.PrefixStore(prefix, store)
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [_gloo_device(master_address)]
-            return dist.ProcessGroupGloo(store, rank, world_size, opts)
+            return _gloo_group(store, rank, world_size, timeout, master_address)
         return _accelerator_group(backend, store, rank, world_size, group_name, timeout)
     except GroupError:
         raise
     except Exception as e:  # DistStoreError, gloo/nccl runtime errors: one line for the caller
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GroupError(
-            f"rank {rank}/{world_size} could not join group {group_name!r} at "
+            f"rank {rank}/{world_size} could not join group {shown(group_name)!r} at "
             f"{master_address}:{master_port} ({backend}): {msg}"
         ) from e
+
+
+def _gloo_group(store, rank, world_size, timeout, master_address) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [_gloo_device(master_address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 def _gloo_device(master_address: str) -> object:

@@ -33,7 +33,6 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.net import free_port
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,
@@ -48,6 +47,9 @@ from asyncrl.weights.group import (
     create_group,
     destroy_group,
     home_device,
+    rendezvous_port,
+    sealed_group_name,
+    shown,
     staging_device,
 )
 
@@ -166,7 +168,8 @@ def _bucket_format(bucket: list[tuple[str, torch.Tensor]]) -> str | None:
 
 class WeightSender:
     """Rank 0 of the weight-update group. `device`: the learner's accelerator (default: the
-    current device of the thread that makes the sender)."""
+    current device of the thread that makes the sender). `seal`: all engines are hf servers; a
+    gloo group then meets under a fresh `sealed_group_name()` (weights/group.py) each time."""
 
     def __init__(
         self,
@@ -174,9 +177,10 @@ class WeightSender:
         group_name: str = "asyncrl_weights",
         timeout_s: float = 120.0,
         device: torch.device | None = None,
+        seal: bool = False,
     ) -> None:
         self._home = device if device is not None else home_device()
-        self.group_name = group_name
+        self.group_name, self._plain_name, self._seal = group_name, group_name, seal
         self.timeout_s = timeout_s
         self.engines: list[WeightTarget] = []
         self._group = None
@@ -201,7 +205,9 @@ class WeightSender:
         tp_sizes = list(tp_sizes or [1] * len(engines))
         if len(tp_sizes) != len(engines) or not engines or min(tp_sizes) < 1:
             raise WeightSyncError("need >= 1 engine and one tp size >= 1 per engine")
-        port = master_port or free_port()
+        port = master_port or rendezvous_port(master_address)  # free where the engines connect
+        sealed = self._seal and backend == "gloo"  # SGLang's NCCL side cannot check sealed values
+        self.group_name = sealed_group_name() if sealed else self._plain_name
         world = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
         self._offsets = {e.url: (o, o + n) for e, o, n in zip(engines, offsets, tp_sizes)}
@@ -217,7 +223,8 @@ class WeightSender:
             create_group, backend, master_address, port, 0, world, self.group_name, timeout
         )
         try:
-            await self._wait_all(calls, mine, timeout + 15, f"init of group {self.group_name!r}")
+            what = f"init of group {shown(self.group_name)!r}"
+            await self._wait_all(calls, mine, timeout + 15, what)
         except WeightSyncError:
             # An engine failed; our half of the group is useless whenever it completes.
             mine.add_done_callback(lambda f: f.exception() or destroy_group(f.result()))

@@ -1,5 +1,6 @@
 """A stand-in for sglang-router's CLI (`python -m sglang_router.launch_router`): round-robin
-/generate over the workers, SGLang's flag names (an unknown flag exits 2)."""
+/generate over the workers, /v1/models from the first worker, SGLang's flag names (an unknown
+flag exits 2)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,18 @@ def main_router() -> None:
                 status=r.status, body=await r.read(), content_type="application/json"
             )
 
+    async def models(request: web.Request) -> web.Response:  # the router asks a worker
+        async with (
+            ClientSession(headers=headers) as s,
+            s.get(args.worker_urls[0] + "/v1/models") as r,
+        ):
+            return web.Response(
+                status=r.status, body=await r.read(), content_type="application/json"
+            )
+
     app = web.Application()
     app.router.add_get("/health", lambda r: web.Response(status=200))
     app.router.add_post("/generate", proxy)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/_fake/state", lambda r: web.json_response({"argv": sys.argv[1:]}))
     web.run_app(app, host=args.host, port=args.port, print=None)

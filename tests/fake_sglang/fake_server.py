@@ -28,6 +28,7 @@ import os
 import sys
 
 from aiohttp import web
+from fake_lora import FakeLora, LoraRefused, add_flags
 from fake_ranks import rank_worker
 from upstream import Upstream, version_spans
 
@@ -39,7 +40,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "input_ids": ((list,), True), "sampling_params": ((dict,), False),
         "return_logprob": ((bool,), False), "logprob_start_len": ((int,), False),
         "rid": ((str,), False), "stream": ((bool,), False), "extra_key": ((str, NONE), False),
-        "priority": ((int, NONE), False),
+        "priority": ((int, NONE), False), "lora_path": ((str, NONE), False),
     },
     "/begin_weight_update": {"selector": ((str,), False)},
     "/end_weight_update": {},
@@ -128,7 +129,7 @@ class FakeSGLang:
         self.violations: list[str] = []
         self.calls: list[list] = []
         self.received: list[dict[str, str]] = [{} for _ in range(args.tp_size)]
-        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
+        self.loras = FakeLora(args)  # native LoRA: adapters loaded, requests running on each
 
     async def ranks(self, cmd: str, body: dict) -> tuple[bool, str, list]:
         for c in self.conns:
@@ -151,6 +152,11 @@ class FakeSGLang:
         if isinstance(body, web.Response):
             return body
         await self.paused.wait()  # arrivals while paused wait in the tokenizer manager
+        adapter = body.get("lora_path")
+        try:
+            logprob = self.loras.acquire(adapter)
+        except LoraRefused as e:  # SGLang's ValueError -> 400 {"error": {"message"}}
+            return web.json_response({"error": {"message": str(e)}}, status=400)
         params = body.get("sampling_params") or {}
         n, stops = params.get("max_new_tokens", 8), set(params.get("stop_token_ids") or [])
         out, versions, finish = [], [], {"type": "length", "length": n}
@@ -170,6 +176,7 @@ class FakeSGLang:
                     await asyncio.sleep(self.up.token_delay_s)
         finally:
             del self.reqs[id(me)]
+            self.loras.release(adapter)
         key = (body.get("extra_key"), *body["input_ids"])
         cached = len(body["input_ids"]) if key in self.cache else 0
         self.cache.add(key)
@@ -181,7 +188,7 @@ class FakeSGLang:
             meta["weight_versions"] = version_spans(versions)
             meta["weight_version"] = versions[-1]
         if body.get("return_logprob"):
-            meta["output_token_logprobs"] = [[-0.5, t, None] for t in out]
+            meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
         return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
 
     async def may_continue(self, me: object, epoch: int) -> bool:
@@ -273,28 +280,30 @@ class FakeSGLang:
         return web.json_response(reply, status=200 if ok else 400)
 
     async def lora(self, request: web.Request) -> web.Response:
-        """SGLang's LoRAUpdateOutput; a name loaded twice or unloaded unknown fails (400)."""
+        """SGLang's LoRAUpdateOutput; refusals as `fake_lora.FakeLora` models them (400)."""
         body = await self.checked(request)
         if isinstance(body, web.Response):
             return body
         name, error = body["lora_name"], None
-        if request.path == "/load_lora_adapter" and name in self.adapters:
-            error = f"LoRA adapter {name} is already loaded"
-        elif request.path == "/unload_lora_adapter" and name not in self.adapters:
-            error = f"LoRA adapter {name} is not loaded"
-        elif request.path == "/load_lora_adapter":
-            self.adapters[name] = body["lora_path"]
-        else:
-            del self.adapters[name]
+        try:
+            if request.path == "/load_lora_adapter":
+                self.loras.load(name, body["lora_path"])
+            else:
+                await self.loras.unload(name)
+        except LoraRefused as e:
+            error = str(e)
         reply = {"success": error is None, "error_message": error,
-                 "loaded_adapters": dict(self.adapters)}  # fmt: skip
+                 "loaded_adapters": self.adapters()}  # fmt: skip
         return web.json_response(reply, status=200 if error is None else 400)
+
+    def adapters(self) -> dict[str, str]:
+        return {name: path for name, (path, _) in self.loras.loaded.items()}
 
     async def state(self, request: web.Request) -> web.Response:
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
         return web.json_response({"argv": sys.argv[1:], "visible": env, "version": self.version,
                                   "violations": self.violations, "calls": self.calls,
-                                  "adapters": self.adapters,
+                                  "adapters": self.adapters(),
                                   "received": self.received, "flushes": self.flushes, "cached": self.cached,
                                   "in_flight": list(self.reqs.values())})  # fmt: skip
 
@@ -316,6 +325,8 @@ class FakeSGLang:
             "/get_weight_version", lambda r: web.json_response({"weight_version": self.version})
         )
         app.router.add_post("/generate", self.generate)
+        models = self.loras.models
+        app.router.add_get("/v1/models", lambda r: web.json_response(models(self.args.model_path)))
         app.router.add_post("/flush_cache", self.flush)
         for path in ("/pause_generation", "/continue_generation"):
             app.router.add_post(path, self.control)
@@ -359,6 +370,7 @@ def main_server() -> None:
     p.add_argument("--json-model-override-args", type=str, default="{}")
     for flag in ("--trust-remote-code", "--disable-radix-cache", "--skip-server-warmup"):
         p.add_argument(flag, action="store_true")
+    add_flags(p)
     args = p.parse_args()
     if not os.path.isdir(args.model_path):
         sys.exit(f"model path {args.model_path} is not a directory")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config.schema import WorkerConfig
-from asyncrl.device import SPECS
+from asyncrl.device import SPECS, ThreadShare
 from asyncrl.engine.process import API_KEY_ENV, EngineLaunchError, ServerHandle, popen
 from asyncrl.net import advertised_host, free_port, url_host
 
@@ -31,12 +31,33 @@ def launch_hf_server(
     log_dir: str | os.PathLike | None = None,
     api_key: str | None = None,
 ) -> ServerHandle:
-    """Start `python -m asyncrl.engine.hf.server` and wait until /health_generate is 200.
+    """Start `python -m asyncrl.engine.hf.server` and wait until /health_generate is 200
+    (`spawn_hf_server`, then `wait_healthy`)."""
+    handle = spawn_hf_server(
+        model_path, port, dtype, host=host, max_batch_size=max_batch_size, seed=seed,
+        extra_args=extra_args, log_dir=log_dir, api_key=api_key,
+    )  # fmt: skip
+    return wait_healthy(handle, timeout_s)
+
+
+def spawn_hf_server(
+    model_path: str | os.PathLike,
+    port: int | None = None,
+    dtype: str = "fp32",
+    *,
+    host: str = "127.0.0.1",
+    max_batch_size: int = 32,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+    log_dir: str | os.PathLike | None = None,
+    api_key: str | None = None,
+) -> ServerHandle:
+    """Start `python -m asyncrl.engine.hf.server` and return at once (its URL is known; it is
+    not ready before `wait_healthy`).
 
     `api_key`: the server then wants `Authorization: Bearer <api_key>` on every call but
     /health*; it travels in the child's environment (ASYNCRL_API_KEY), never on its command
-    line. The server dies with this process (see `engine/process.py`). Raises EngineLaunchError
-    with the server's log tail if it exits or is not healthy in time.
+    line. The server dies with this process (see `engine/process.py`).
     """
     port = port or free_port(host)
     scratch = None if log_dir else Path(tempfile.mkdtemp(prefix="asyncrl-hf-server-"))
@@ -52,7 +73,13 @@ def launch_hf_server(
         proc = popen(cmd, env, log)
     # Reached at the node's address when bound to every interface (multi-node), else at `host`.
     url = f"http://{url_host(advertised_host(host))}:{port}"
-    handle = ServerHandle(proc, url, log_path, scratch)
+    return ServerHandle(proc, url, log_path, scratch)
+
+
+def wait_healthy(handle: ServerHandle, timeout_s: float = 120.0) -> ServerHandle:
+    """Wait until the server's /health_generate is 200. Raises EngineLaunchError with the
+    server's log tail if it exits or is not healthy in time (the server is then stopped)."""
+    proc, port = handle.proc, handle.url.rsplit(":", 1)[1]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -77,7 +104,8 @@ def launch_hf_server(
 
 class HFLauncher:
     """asyncrl's own transformers server (`hf_infer`): one CPU process per engine, bound to
-    `host` (loopback unless `cluster.bind_host` says otherwise)."""
+    `host` (loopback unless `cluster.bind_host` says otherwise). `threads[i]`: engine i's share
+    of the run's thread budget (`device.plan_threads`; empty: torch's default, unpinned)."""
 
     def __init__(
         self,
@@ -93,20 +121,31 @@ class HFLauncher:
         self.num_engines = max(1, len(infer.device_mapping) // infer.num_gpus_per_worker)
         self.tp_size = 1
         self.device = SPECS["cpu"]
+        self.threads: Sequence[ThreadShare] = ()
 
     def launch(self, index: int, port: int | None = None) -> ServerHandle:
+        """Start engine `index` and wait until it can generate (a relaunch: the same share)."""
+        return self.wait_ready(self.spawn(index, port))
+
+    def spawn(self, index: int, port: int | None = None) -> ServerHandle:
+        """Start engine `index` without waiting for it (`wait_ready`): the fleet starts every
+        engine, and the rollout workers, while the models load."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        return launch_hf_server(
+        share = self.threads[index] if index < len(self.threads) else ThreadShare()
+        return spawn_hf_server(
             self.model_dir,
             port=port,
             host=self.host,
             dtype=self.infer.model_args.dtype or "fp32",
             max_batch_size=int(self.infer.strategy_args.strategy_config.get("max_batch_size", 64)),
             seed=self.seed + index,
+            extra_args=share.args(),
             log_dir=self.log_dir,
-            timeout_s=180.0,
             api_key=self.api_key,
         )
+
+    def wait_ready(self, handle: ServerHandle) -> ServerHandle:
+        return wait_healthy(handle, timeout_s=180.0)
 
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
         return list(worker_urls)

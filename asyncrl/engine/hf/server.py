@@ -32,6 +32,7 @@ import uuid
 
 from aiohttp import web
 
+from asyncrl.device import ThreadShare, apply_thread_share
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, show
 from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
 from asyncrl.engine.hf.protocol import field, group_init, parse_generate, read_json, version
@@ -210,8 +211,12 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """SGLang's /server_info subset: the `version` picks the client's weight-sync steps."""
+    """SGLang's /server_info subset: the `version` picks the client's weight-sync steps; and
+    the torch threads and cores this server runs with (asyncrl's own: the thread budget)."""
+    import torch
+
     info = {"version": HF_SERVER_VERSION, "tp_size": 1, "dp_size": 1, "pp_size": 1}
+    info |= {"num_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
     return web.json_response(info)
 
 
@@ -325,6 +330,14 @@ def load_engine(args: argparse.Namespace) -> HFEngine:
     return engine
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """`--cpus 1,2`: core ids (argparse turns the ValueError into a one-line usage error)."""
+    cpus = tuple(int(c) for c in text.split(",") if c.strip())
+    if not cpus or min(cpus) < 0:
+        raise ValueError(text)
+    return cpus
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m asyncrl.engine.hf.server", description=__doc__)
     p.add_argument("--model-path", required=True)
@@ -335,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--cpus", type=_cpu_list, default=(), help="pin to these cores: 1,2")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--group-timeout-s", type=float, default=600.0)
     p.add_argument("--log-level", default="WARNING")
@@ -349,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     # Read once and drop: nothing this process starts inherits the secret.
     api_key = os.environ.pop(API_KEY_ENV, None) or args.api_key
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    # The run's thread budget, before the engine's threads exist (they inherit the pinning).
+    apply_thread_share(ThreadShare(args.num_threads, args.cpus), whole_process=True)
     engine = load_engine(args)
     engine.start()
     info = {

@@ -5,7 +5,8 @@ straight from its device into the NCCL/HCCL broadcast) and checkpoints stay wher
 With `len(actor_train.device_mapping)` > 1, ranks 1..W-1 are Ray actors, each pinned to its
 device id (the visibility variable, with Ray told not to override it). Every call is mirrored
 on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts of an
-export while rank 0 yields. One node; multi-node placement is not done here.
+export while rank 0 yields. One node: the ranks are pinned to the driver's (multi-node
+placement of Megatron ranks is refused at validation).
 
 The reference policy for the KL loss (`actor.use_kl_loss`) is a frozen model with the actor's
 parallel layout and dtype: the `reference:` section's model (same architecture and vocabulary
@@ -25,6 +26,7 @@ from asyncrl.device import DeviceSpec, detect_device, device_spec, prepare_megat
 from asyncrl.learner.megatron.build import bridge_class
 from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.worker import MegatronWorker, require_megatron
+from asyncrl.learner.placement import RankPlacement
 
 __all__ = ["MegatronLearner", "require_megatron"]
 
@@ -95,13 +97,15 @@ class MegatronLearner:
         init_ray()
         self._ray = ray
         remote_cls = ray.remote(num_cpus=0)(_RemoteRank)
+        # On the driver's node: the ranks take its devices (device_mapping) and meet on loopback.
+        here = RankPlacement().actor_options(len(mapping) - 1)
         for rank in range(1, len(mapping)):
             env = (
                 {NOSET[dev.kind]: "1", **dev.visibility([mapping[rank]])}
                 if dev.kind in NOSET
                 else {}
             )
-            actor = remote_cls.options(runtime_env={"env_vars": env})
+            actor = remote_cls.options(runtime_env={"env_vars": env}, **here[rank - 1])
             self.remotes.append(actor.remote(kwargs, rank, len(mapping), init, dev.kind))
 
     @property

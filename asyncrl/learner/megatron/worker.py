@@ -58,6 +58,7 @@ from asyncrl.learner.objective import (
     micro_share,
     objective,
     rollout_is_settings,
+    sequence_lags,
 )
 from asyncrl.types import collate
 
@@ -253,8 +254,9 @@ class MegatronWorker:
             return None, {}
         rollout, mask = data["rollout_logprobs"], data["response_mask"]
         old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
+        lags = sequence_lags(data["versions"], self.version)  # is/ess_by_lag/<k>
         weights, mask, metrics = correct(
-            alg, self.rollout_is, self.actor.policy_loss.loss_mode, old, rollout, mask
+            alg, self.rollout_is, self.actor.policy_loss.loss_mode, old, rollout, mask, lags
         )
         return {"old": old, "weights": weights, "mask": mask, "ref": ref}, metrics
 

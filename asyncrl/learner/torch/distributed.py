@@ -16,18 +16,19 @@ weight-update group to the engines is a separate standalone group and never mixe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncrl.device import ThreadShare, apply_thread_share
 from asyncrl.learner.objective import check_learner_side
+from asyncrl.learner.placement import RankPlacement
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.net import free_port
 
 
 def _join(rank: int, world: int, init_method: str) -> Any:
@@ -51,6 +52,10 @@ class _RemoteRank:
 
     def step(self, groups: list[Any]) -> None:
         self.learner.step(groups)
+
+    def set_threads(self, share: ThreadShare) -> None:
+        """This rank's share of the run's thread budget (a process of its own: for good)."""
+        apply_thread_share(share, whole_process=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.learner.load_state_dict(state)
@@ -79,7 +84,10 @@ class DistributedTorchLearner:
     """`Learner` over W FSDP2 ranks; behaves like one TorchLearner to the loop.
     `kwargs` are TorchLearner's (`reference` included: every rank holds its shard of it)."""
 
-    def __init__(self, world_size: int, **kwargs: Any) -> None:
+    def __init__(
+        self, world_size: int, placement: RankPlacement | None = None, **kwargs: Any
+    ) -> None:
+        """`placement`: where ranks 1..W-1 run and how they meet rank 0 (default: this node)."""
         import ray
 
         from asyncrl.net import init_ray
@@ -93,22 +101,32 @@ class DistributedTorchLearner:
             kwargs["actor"].use_kl_loss or alg.use_kl_in_reward,
         )  # fmt: skip
         fsdp.check_shardable(kwargs["train"])
-        init_ray()
+        init_ray()  # no-op when the run already joined its cluster
         self._ray = ray
-        host = "127.0.0.1"
-        init_method = f"tcp://{host}:{free_port(host)}"
-        remote_cls = ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
-        self.remotes = [
-            remote_cls.remote(kwargs, rank, world_size, init_method)
-            for rank in range(1, world_size)
-        ]
-        # Rank 0 joins last: init_process_group returns once every rank has arrived.
-        self.ckpt_group = _join(0, world_size, init_method)
-        self.local = TorchLearner(**kwargs, rank=0, world_size=world_size)
+        placement = placement or RankPlacement()
+        init_method, self._private = placement.rendezvous()  # kept: later groups use it
+        try:
+            remote_cls = ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
+            options = placement.actor_options(world_size - 1)
+            self.remotes = [
+                remote_cls.options(**opts).remote(kwargs, rank, world_size, init_method)
+                for rank, opts in enumerate(options, start=1)
+            ]
+            # Rank 0 joins last: init_process_group returns once every rank has arrived.
+            self.ckpt_group = _join(0, world_size, init_method)
+            self.local = TorchLearner(**kwargs, rank=0, world_size=world_size)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def version(self) -> int:
         return self.local.version
+
+    def set_rank_threads(self, shares: Sequence[ThreadShare]) -> None:
+        """Rank r's torch threads and cores: `shares[r]` (the budget's per-rank shares). Rank 0
+        is the driver process, which the run budgets itself (`DriverThreads`)."""
+        self._ray.get([r.set_threads.remote(s) for r, s in zip(self.remotes, shares[1:])])
 
     def step(self, groups: list[Any]) -> dict[str, float]:
         ref = self._ray.put(groups)
@@ -180,7 +198,8 @@ class DistributedTorchLearner:
         self._ray.get(pending)
 
     def close(self) -> None:
-        for remote in self.remotes:
+        for remote in getattr(self, "remotes", []):
             self._ray.kill(remote, no_restart=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        RankPlacement.cleanup(self._private)

@@ -154,6 +154,29 @@ def mean_over_ranks(metrics: dict[str, float], world_size: int) -> dict[str, flo
     return {k: float(v) / world_size for k, v in zip(keys, values, strict=True)}
 
 
+def own_rows(total_rows: int, rank: int, world_size: int) -> torch.Tensor:
+    """The global rows a rank holds: row r lives on rank r % world_size."""
+    return torch.arange(rank, total_rows, world_size)
+
+
+def gather_rows(local: torch.Tensor, total_rows: int, world_size: int) -> torch.Tensor:
+    """The whole batch's [total_rows, ...] from every rank's `own_rows` part (a collective:
+    every rank calls it in the same order). Parts differ by one row at most: each is padded to
+    the longest for the all-gather and cut back when interleaved."""
+    if world_size == 1:
+        return local
+    longest = -(-total_rows // world_size)
+    padded = local.new_zeros((longest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, padded.contiguous())
+    out = local.new_empty((total_rows, *local.shape[1:]))
+    for rank, part in enumerate(parts):
+        rows = own_rows(total_rows, rank, world_size)
+        out[rows] = part[: len(rows)].to(out.device)
+    return out
+
+
 # -- checkpoints: torch.distributed.checkpoint (DCP) ------------------------------------------
 Modules = dict[str, torch.nn.Module]  # "model" (the one the optimizer trains), "reference", ...
 

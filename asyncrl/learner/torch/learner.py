@@ -31,8 +31,8 @@ from asyncrl.learner import objective as obj
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
 from asyncrl.learner.reference import ReferenceSpec, frozen, reference_spec
+from asyncrl.learner.torch import critic as torch_critic
 from asyncrl.learner.torch import fsdp
-from asyncrl.learner.torch.critic import build_critic
 from asyncrl.types import TrajectoryGroup, collate
 
 
@@ -106,7 +106,8 @@ class TorchLearner:
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
         self.critic: Critic | None = None
         if critic is not None:
-            self.critic = build_critic(critic, model_path, actor, algorithm, device, total_steps)
+            self.critic = torch_critic.build_critic(critic, model_path, actor, algorithm,
+                                                    device, total_steps, rank, world_size)  # fmt: skip
         self.kl_ctrl = obj.kl_controller(algorithm)  # None unless use_kl_in_reward
         self.stochastic_forward = lp.has_dropout(self.model)
 
@@ -143,12 +144,14 @@ class TorchLearner:
         reuse = not warmup and obj.prox_from_training_forward(
             self.algorithm, self.actor, total_rows, self.stochastic_forward
         )
-        if self.world_size > 1:
+        if self.world_size > 1 and (self.kl_ctrl is not None or self.critic is not None):
+            data, prep, metrics, adv_metrics = self._sharded_advantages(data, total_rows, reuse)
+        elif self.world_size > 1:
             # Batch-level advantages see every row of the batch: computed before sharding.
             data["advantages"] = obj.batch_advantages(self.algorithm, data)
             adv_metrics = obj.advantage_metrics(data["advantages"], data["response_mask"])
             # this rank's shard: global row r lives on rank r % world
-            data = lp.select_rows(data, torch.arange(self.rank, total_rows, self.world_size))
+            data = lp.select_rows(data, fsdp.own_rows(total_rows, self.rank, self.world_size))
             prep, metrics = self._prepare(data, reuse)
         else:  # one process holds the whole batch: KL-in-reward and GAE need old/ref/values
             prep, metrics = self._prepare(data, reuse)
@@ -156,7 +159,7 @@ class TorchLearner:
         if not warmup:  # critic_warmup: the first steps train the critic only
             metrics.update(self._optimise(data, prep, total_rows))
         if reuse:  # the IS metrics of the whole batch, from what the training forward filled in
-            metrics.update(self._correct(prep["prox"], data["rollout_logprobs"], data)[2])
+            metrics.update(self._correct(prep["prox"], data["rollout_logprobs"], data, True)[2])
         metrics = fsdp.mean_over_ranks(metrics, self.world_size)
         self.version += 1
         metrics.update(
@@ -172,12 +175,43 @@ class TorchLearner:
         )
         return metrics
 
+    def _sharded_advantages(
+        self, data: dict[str, torch.Tensor], total_rows: int, reuse: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float], dict[str, float]]:
+        """KL-in-reward and/or GAE over ranks: each rank scores its own rows (old and reference
+        logprobs, the critic's values: sharded forwards), the whole batch's are gathered on
+        every rank, and every rank computes the same penalised rewards, advantages and
+        KL-controller update from them, and trains the critic on its rows of the whole batch
+        (`TorchCritic.update`); then it keeps its rows. Returns (its rows, their prep, IS
+        metrics, advantage and critic metrics)."""
+        rows = fsdp.own_rows(total_rows, self.rank, self.world_size)
+        shard = lp.select_rows(data, rows)
+        prep, metrics = self._prepare(shard, reuse)  # reuse is never on with KL-in-reward
+        whole = {}
+        if self.kl_ctrl is not None:  # only KL-in-reward reads the logprobs of the whole batch
+            whole = {
+                k: fsdp.gather_rows(prep[k], total_rows, self.world_size)
+                for k in ("old", "ref_all")
+            }
+        adv_metrics = self._advantages(data, whole)
+        shard["advantages"] = data["advantages"][rows]
+        return shard, prep, metrics, adv_metrics
+
     def _correct(
-        self, old: torch.Tensor, rollout: torch.Tensor, data: dict[str, torch.Tensor]
+        self,
+        old: torch.Tensor,
+        rollout: torch.Tensor,
+        data: dict[str, torch.Tensor],
+        lags: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-        """`correct` (IS weights, rejection-filtered mask, mismatch metrics) of these rows."""
+        """`correct` (IS weights, rejection-filtered mask, mismatch metrics) of these rows.
+        `lags`: with the IS weights' ESS by staleness (`is/ess_by_lag/<k>`) — only on the
+        step's whole-batch (or, sharded, whole-shard) call: with several ranks it is a
+        collective every rank makes."""
         loss_mode, mask = self.actor.policy_loss.loss_mode, data["response_mask"]
-        return obj.correct(self.algorithm, self.rollout_is, loss_mode, old, rollout, mask)
+        by_lag = obj.sequence_lags(data["versions"], self.version) if lags else None
+        return obj.correct(self.algorithm, self.rollout_is, loss_mode, old, rollout, mask,
+                           by_lag, all_ranks=self.world_size > 1)  # fmt: skip
 
     @torch.no_grad()
     def _prepare(
@@ -196,7 +230,7 @@ class TorchLearner:
                 budget = self.train.infer_batch_size * data["input_ids"].shape[1]
                 recomputed = lp.budget_logprobs(self.model, data, self.temperature, budget, pack)
             old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
-            weights, mask, metrics = self._correct(old, rollout, data)
+            weights, mask, metrics = self._correct(old, rollout, data, lags=True)
         ref = None
         if self.reference is not None:
             ref = lp.batched_logprobs(
@@ -361,7 +395,10 @@ class TorchLearner:
 
     def sharded_state(self, optimizer: bool = True) -> dict[str, Any]:
         """The model, optimizer and frozen reference for DCP (each rank its shards)."""
-        return fsdp.dcp_state(self._modules(), self.optimizer if optimizer else None)
+        state = fsdp.dcp_state(self._modules(), self.optimizer if optimizer else None)
+        if self.critic is not None:  # its own part: its model and optimizer, sharded alike
+            state[torch_critic.DCP_KEY] = torch_critic.dcp_state(self.critic, optimizer)
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs; sharded, model/optimizer/reference are in `sharded_state`."""
@@ -383,7 +420,7 @@ class TorchLearner:
         # A checkpoint without them (saved before the critic or KL-in-reward was configured)
         # leaves the fresh critic and the initial coefficient.
         if self.critic is not None and state.get("critic") is not None:
-            self.critic.load_state_dict(state["critic"])
+            torch_critic.load_state(self.critic, state["critic"], state.get("sharded_dir"))
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.version = int(state.get("version", self.version))
