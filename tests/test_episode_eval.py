@@ -108,7 +108,9 @@ def evaluator(tiny_model, runner, engine_version: int, size: int = 4, env: EnvCo
         generating=GeneratingArgs(temperature=TEMPERATURE), response_length=64, seed=0,
     )  # fmt: skip
     client, sent = scripted_engine(AutoTokenizer.from_pretrained(tiny_model), engine_version)
-    fleet = SimpleNamespace(clients=[client], runner=runner, heal=lambda source: None)
+    fleet = SimpleNamespace(
+        clients=[client], eval_clients=lambda: [client], runner=runner, heal=lambda source: None
+    )
     logging = LoggingConfig(eval_interval=5, eval_size=size)
     return Evaluator(logging, 10, heldout_seed_items(env, size), settings, fleet), sent
 

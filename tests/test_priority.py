@@ -120,7 +120,7 @@ def _evaluator(tiny_model, priority: int | None) -> tuple[Evaluator, list[dict]]
     logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
     settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model))
     items = [PromptItem(f"k{i}", [1, 2], "1+1") for i in range(2)]
-    fleet = SimpleNamespace(clients=[client])
+    fleet = SimpleNamespace(clients=[client], eval_clients=lambda: [client])
     return Evaluator(logging, 10, items, settings, fleet), sent
 
 

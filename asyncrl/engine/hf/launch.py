@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config.schema import WorkerConfig
 from asyncrl.device import SPECS, ThreadShare
@@ -23,21 +24,12 @@ def launch_hf_server(
     port: int | None = None,
     dtype: str = "fp32",
     *,
-    host: str = "127.0.0.1",
-    max_batch_size: int = 32,
-    seed: int = 0,
-    extra_args: Sequence[str] = (),
     timeout_s: float = 120.0,
-    log_dir: str | os.PathLike | None = None,
-    api_key: str | None = None,
+    **options: Any,
 ) -> ServerHandle:
-    """Start `python -m asyncrl.engine.hf.server` and wait until /health_generate is 200
-    (`spawn_hf_server`, then `wait_healthy`)."""
-    handle = spawn_hf_server(
-        model_path, port, dtype, host=host, max_batch_size=max_batch_size, seed=seed,
-        extra_args=extra_args, log_dir=log_dir, api_key=api_key,
-    )  # fmt: skip
-    return wait_healthy(handle, timeout_s)
+    """Start `python -m asyncrl.engine.hf.server` and wait until /health_generate is 200:
+    `spawn_hf_server` (`options` are its keyword arguments), then `wait_healthy`."""
+    return wait_healthy(spawn_hf_server(model_path, port, dtype, **options), timeout_s)
 
 
 def spawn_hf_server(
