@@ -51,7 +51,7 @@ class RankPlacement:
 
     @staticmethod
     def cleanup(private: str | None) -> None:
-        """Remove what `rendezvous` made (once every rank joined, or on the way out)."""
+        """Remove what `rendezvous` made (at the learner's close: later groups use the store)."""
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
 
