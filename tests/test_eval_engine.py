@@ -153,18 +153,24 @@ class _Handle:
         self.url = url
 
 
+def _unlaunched_fleet(cfg, model_dir, out, runner, dedicated: bool):
+    """A real EngineFleet whose engines are never launched (routing reads handles only)."""
+    from asyncrl.engine.fleet import EngineFleet
+
+    return EngineFleet(
+        cfg.actor_infer, cfg.weight_sync, "abort", model_dir, out, seed=0,
+        request_timeout_s=5.0, runner=runner, dedicated_eval=dedicated,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("dedicated", [False, True])
 def test_routing_keeps_rollout_off_the_evaluation_engine(tiny_model, tmp_path, dedicated):
-    from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
 
     cfg = shrunk(tiny_model, tmp_path)
     runner = AsyncRunner()
     try:
-        fleet = EngineFleet(
-            cfg.actor_infer, cfg.weight_sync, "abort", tiny_model, tmp_path, seed=0,
-            request_timeout_s=5.0, runner=runner, dedicated_eval=dedicated,
-        )  # fmt: skip
+        fleet = _unlaunched_fleet(cfg, tiny_model, tmp_path, runner, dedicated)
         fleet.handles = [_Handle(f"http://127.0.0.1:{9000 + i}") for i in range(2)]  # no launch
         fleet.clients = ["client0", "client1"]  # routing only reads them
         workers = {url for i in range(4) for url in fleet.urls_for_worker(i)}
@@ -193,16 +199,12 @@ class _RouterLauncher:
 
 
 def test_router_and_placement_get_the_rollout_engines_only(tiny_model, tmp_path):
-    from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
 
     cfg = shrunk(tiny_model, tmp_path, "actor_infer.device_mapping=[0,1,2]")
     runner = AsyncRunner()
     try:
-        fleet = EngineFleet(
-            cfg.actor_infer, cfg.weight_sync, "abort", tiny_model, tmp_path, seed=0,
-            request_timeout_s=5.0, runner=runner, dedicated_eval=True,
-        )  # fmt: skip
+        fleet = _unlaunched_fleet(cfg, tiny_model, tmp_path, runner, True)
         fleet.handles = [_Handle(f"http://127.0.0.1:{9000 + i}") for i in range(3)]
         fleet.launcher = launcher = _RouterLauncher()
         assert fleet.urls_for_worker(1) == ["http://router"]

@@ -26,7 +26,6 @@ import msgspec
 import numpy as np
 
 from asyncrl.transport.codec import (
-    _ENCODER,
     _GROUP_ARRAYS,
     GROUP_KIND,
     MAX_FRAMES,
@@ -35,12 +34,12 @@ from asyncrl.transport.codec import (
     DecodeError,
     EncodeError,
     _ArraySpec,
-    _check_sizes,
     _decode_group_views,
     _import_group_arrays,
     _parse_header,
     _plain_problem,
     _refuse_ext,
+    _seal,
     _views,
     encode_group,
 )
@@ -116,14 +115,8 @@ def encode_batch(
         "prompt_lengths": [len(g.prompt_ids) for g in groups],
         "sizes": [len(g.response_lengths) for g in groups],
     }
-    if len(frames) > max_frames:
-        raise EncodeError(f"message has {len(frames)} frames, limit is {max_frames}")
-    try:
-        frames[0] = _ENCODER.encode([SCHEMA_VERSION, BATCH_KIND, specs, fields])
-    except (TypeError, ValueError, OverflowError) as e:
-        raise EncodeError(f"cannot encode header: {e}") from None
-    _check_sizes([len(frames[0]), *(f.nbytes for f in frames[1:])], max_bytes, EncodeError)
-    return frames
+    body = sum(f.nbytes for f in frames[1:])
+    return _seal(frames, BATCH_KIND, specs, fields, body, max_frames, max_bytes)
 
 
 def encode_groups(

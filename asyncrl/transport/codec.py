@@ -195,13 +195,27 @@ def _encode(
             specs[name] = [lib, dtype, shape, len(frames)]
         frames.append(buf)
         side_bytes += buf.nbytes  # `_export` returns 1-D uint8 numpy buffers: no memoryview
+    return _seal(frames, kind, specs, fields, side_bytes, max_frames, max_bytes)
+
+
+def _seal(
+    frames: list[Any],
+    kind: str,
+    specs: dict[str, Any],
+    fields: dict[str, Any],
+    body_bytes: int,
+    max_frames: int,
+    max_bytes: int,
+) -> list[Any]:
+    """Put the header in `frames[0]` (a placeholder until now) and check the limits: the
+    frame count, the header's size and the whole message's (`body_bytes`: the other frames)."""
     if len(frames) > max_frames:
         raise EncodeError(f"message has {len(frames)} frames, limit is {max_frames}")
     try:
         frames[0] = _ENCODER.encode([SCHEMA_VERSION, kind, specs, fields])
     except (TypeError, ValueError, OverflowError) as e:
         raise EncodeError(f"cannot encode header: {e}") from None
-    _check_sizes([len(frames[0]), side_bytes], max_bytes, EncodeError)
+    _check_sizes([len(frames[0]), body_bytes], max_bytes, EncodeError)
     return frames
 
 

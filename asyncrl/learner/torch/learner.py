@@ -144,15 +144,8 @@ class TorchLearner:
         reuse = not warmup and obj.prox_from_training_forward(
             self.algorithm, self.actor, total_rows, self.stochastic_forward
         )
-        if self.world_size > 1 and (self.kl_ctrl is not None or self.critic is not None):
+        if self.world_size > 1:  # batch-level advantages see every row, then each its shard
             data, prep, metrics, adv_metrics = self._sharded_advantages(data, total_rows, reuse)
-        elif self.world_size > 1:
-            # Batch-level advantages see every row of the batch: computed before sharding.
-            data["advantages"] = obj.batch_advantages(self.algorithm, data)
-            adv_metrics = obj.advantage_metrics(data["advantages"], data["response_mask"])
-            # this rank's shard: global row r lives on rank r % world
-            data = lp.select_rows(data, fsdp.own_rows(total_rows, self.rank, self.world_size))
-            prep, metrics = self._prepare(data, reuse)
         else:  # one process holds the whole batch: KL-in-reward and GAE need old/ref/values
             prep, metrics = self._prepare(data, reuse)
             adv_metrics = self._advantages(data, prep)
@@ -178,12 +171,12 @@ class TorchLearner:
     def _sharded_advantages(
         self, data: dict[str, torch.Tensor], total_rows: int, reuse: bool
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float], dict[str, float]]:
-        """KL-in-reward and/or GAE over ranks: each rank scores its own rows (old and reference
-        logprobs, the critic's values: sharded forwards), the whole batch's are gathered on
-        every rank, and every rank computes the same penalised rewards, advantages and
-        KL-controller update from them, and trains the critic on its rows of the whole batch
-        (`TorchCritic.update`); then it keeps its rows. Returns (its rows, their prep, IS
-        metrics, advantage and critic metrics)."""
+        """Advantages over ranks: each rank scores its own rows (row r on rank r % world: old
+        and reference logprobs, the critic's values, in sharded forwards); with KL-in-reward
+        the whole batch's logprobs are gathered on every rank, and every rank computes the same
+        penalised rewards, batch-level advantages and KL-controller update, and trains the
+        critic on its rows of the whole batch (`TorchCritic.update`); then it keeps its rows.
+        Returns (its rows, their prep, IS metrics, advantage and critic metrics)."""
         rows = fsdp.own_rows(total_rows, self.rank, self.world_size)
         shard = lp.select_rows(data, rows)
         prep, metrics = self._prepare(shard, reuse)  # reuse is never on with KL-in-reward
