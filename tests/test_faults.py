@@ -35,12 +35,14 @@ def test_kill_engine_and_actor_mid_run(tiny_model, tmp_path):
     cfg = shrunk(tiny_model, tmp_path, "max_steps=8", "async.max_staleness=2")
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(summary=run(cfg)), daemon=True)
+    stale = set(_pids("asyncrl.engine.hf.server", parent=os.getpid()))  # earlier tests' leftovers
     thread.start()
     deadline = time.monotonic() + 300
     while len(_rows(tmp_path / "trained_groups.jsonl")) < 2:
         assert time.monotonic() < deadline and thread.is_alive(), "run did not get going"
         time.sleep(0.2)
-    engines = _pids("asyncrl.engine.hf.server", parent=os.getpid())
+    # this run's engines only: a server an earlier test left under this process is not one
+    engines = [p for p in _pids("asyncrl.engine.hf.server", parent=os.getpid()) if p not in stale]
     actors = _pids("_RayRolloutWorker")
     assert engines and actors
     os.kill(engines[0], signal.SIGKILL)
