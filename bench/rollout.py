@@ -1,10 +1,12 @@
 """Rollout engine throughput: generated tokens/s by batch size and response length.
 
 The hf engine server (a separate process, driven over HTTP through the SGLang-protocol
-`EngineClient` exactly as rollout actors drive it: one request per sequence, concurrent, with
-per-token logprobs) against transformers' own `model.generate` of the same model, batch and
+`EngineClient` exactly as single-turn rollout actors drive it: the batch as one request in
+SGLang's list form, with per-token logprobs) against transformers' own `model.generate` of the same model, batch and
 length in this process (no HTTP, no logprobs): `x hf.generate` is the price of serving.
-`x batch 1` is what dynamic batching buys. Every response runs to its full length
+`x batch 1` is what dynamic batching buys. `x 1 req each` is the batched request against one
+concurrent request per sequence (how multi-turn episodes, and single-turn groups before,
+are sent), measured side by side: what one round trip per group instead of per sample buys. Every response runs to its full length
 (`ignore_eos`), prompts are 32 random tokens, sampling at temperature 1.
 
 With SGLang installed and a GPU, the same client also drives `sglang.launch_server` on the
@@ -12,7 +14,7 @@ same model (`--model` a real HF model directory gives real-model numbers there).
 
 On the CPU the server and generate() both get `--threads` torch threads (default 1).
 
-    asyncrl bench rollout [--smoke] [--batch-sizes 1,8,32] [--lengths 32,128] [--model DIR]
+    asyncrl bench rollout [--smoke] [--batch-sizes 1,8,32] [--lengths 4,32,128] [--model DIR]
                           [--threads 1]
 """
 
@@ -50,8 +52,11 @@ def _prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(4, vocab, (batch, PROMPT_LEN), generator=g).tolist()
 
 
-async def engine_run(url: str, prompts: list[list[int]], length: int, repeats: int) -> float:
-    """Median seconds to generate `length` tokens for every prompt through the client."""
+async def engine_run(
+    url: str, prompts: list[list[int]], length: int, repeats: int, batched: bool = True
+) -> float:
+    """Median seconds to generate `length` tokens for every prompt through the client: one
+    batched request (`batched`) or one concurrent request per prompt."""
     from asyncrl.engine.client import EngineClient
 
     params = {"max_new_tokens": length, "temperature": 1.0, "ignore_eos": True}
@@ -60,7 +65,10 @@ async def engine_run(url: str, prompts: list[list[int]], length: int, repeats: i
     async with EngineClient(url) as client:
         for i in range(repeats + 1):  # first round: warm-up
             start = time.perf_counter()
-            outs = await client.generate(requests)
+            if batched:
+                outs = await client.generate(requests)
+            else:
+                outs = await asyncio.gather(*(client.generate_one(r) for r in requests))
             times.append(time.perf_counter() - start)
             assert all(len(o.output_ids) == length for o in outs), "response ended early"
             del i
@@ -91,12 +99,14 @@ def measure(url: str, model: Any, batches: list[int], lengths: list[int], repeat
         for batch in batches:
             prompts = _prompts(batch, vocab)
             t_engine = asyncio.run(engine_run(url, prompts, length, repeats))
+            t_each = asyncio.run(engine_run(url, prompts, length, repeats, batched=False))
             t_hf = hf_generate_run(model, prompts, length, repeats)
             tokens = batch * length
             rows.append({
                 "engine": engine, "batch": batch, "length": length,
                 "engine_tokens_per_s": tokens / t_engine, "hf_generate_tokens_per_s": tokens / t_hf,
-                "vs_hf_generate": t_hf / t_engine,
+                "vs_hf_generate": t_hf / t_engine, "one_request_each_tokens_per_s": tokens / t_each,
+                "vs_one_request_each": t_each / t_engine,
             })  # fmt: skip
         first = rows[-len(batches)]
         for row in rows[-len(batches) :]:
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_flag(parser)
     args = parser.parse_args(argv)
     batches = [int(v) for v in (args.batch_sizes or ("1,4" if args.smoke else "1,8,32")).split(",")]  # fmt: skip
-    lengths = [int(v) for v in (args.lengths or ("8" if args.smoke else "32,128")).split(",")]
+    lengths = [int(v) for v in (args.lengths or ("8" if args.smoke else "4,32,128")).split(",")]
     repeats = args.repeats or (1 if args.smoke else 2)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-rollout-") as tmp:
         model_dir = args.model or build_model_dir(Path(tmp) / "model", **MODEL)
@@ -181,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_all(model_dir, batches, lengths, repeats, args.threads)
     print_table(
         "engine tokens/s (server over HTTP, with logprobs) vs transformers generate()",
-        ["engine", "batch", "length", "server tok/s", "generate tok/s", "x generate", "x batch 1"],
+        ["engine", "batch", "length", "server tok/s", "generate tok/s", "x generate", "x batch 1",
+         "x 1 req each"],
         [[r["engine"], r["batch"], r["length"], r["engine_tokens_per_s"],
-          r["hf_generate_tokens_per_s"], r["vs_hf_generate"], r["vs_batch1"]] for r in rows],
+          r["hf_generate_tokens_per_s"], r["vs_hf_generate"], r["vs_batch1"],
+          r["vs_one_request_each"]] for r in rows],
     )  # fmt: skip
     hf = [r for r in rows if r["engine"] == "hf"]
     best = max(hf, key=lambda r: r["engine_tokens_per_s"])
@@ -197,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             "hf_peak_tokens_per_s": headline(best["engine_tokens_per_s"], True, "tok/s"),
             "hf_vs_generate_at_peak": headline(best["vs_hf_generate"], True, "x"),
             "hf_batching_gain": headline(max(r["vs_batch1"] for r in hf), True, "x"),
+            "hf_batched_vs_one_request_each": headline(
+                max(r["vs_one_request_each"] for r in hf), True, "x"
+            ),
         },
     }
     return finish("rollout", result, args, _plot(rows), argv)

@@ -96,8 +96,35 @@ def test_good_reply_parses_and_request_shape():
         path, body = fake.bodies[-1]
         assert path == "/generate" and body["input_ids"] == [3, 4]
         assert body["return_logprob"] is True and body["logprob_start_len"] == -1
-        as_dict = {"input_ids": [3, 4], "sampling_params": {}, "return_logprob": True}
-        assert (await client.generate([as_dict, REQ]))[1] == out
+
+    asyncio.run(with_fake(test))
+
+
+def test_a_group_is_one_batched_request_in_sglangs_list_form():
+    async def test(fake, client):
+        fake.reply = [GOOD, variant(weight_version="8")]
+        as_dict = {"input_ids": [3], "sampling_params": {"sampling_seed": 1}, "rid": "a"}
+        outs = await client.generate([as_dict, REQ])
+        assert [o.version for o in outs] == [7, 8] and client.seen_version == 8
+        assert outs[0].output_ids == [5, 6, 1] and outs[1].token_versions() == [8, 8, 8]
+        path, body = fake.bodies[0]
+        assert path == "/generate" and body["input_ids"] == [[3], [3, 4]]
+        assert body["sampling_params"] == [{"sampling_seed": 1}, {"max_new_tokens": 3}]
+        assert body["return_logprob"] == [True, True] and body["logprob_start_len"] == -1
+        assert body["rid"][0] == "a" and len(body["rid"]) == 2  # one per item, or none
+        assert body["extra_key"] == ["asyncrl-w0", "asyncrl-w0"]
+        assert await client.generate([]) == [] and len(fake.bodies) == 1  # nothing sent
+
+    asyncio.run(with_fake(test))
+
+
+@pytest.mark.parametrize("reply", [[GOOD], GOOD, [GOOD, GOOD, GOOD]])
+def test_a_batch_reply_of_another_length_is_refused_in_one_line(reply):
+    async def test(fake, client):
+        fake.reply = reply
+        with pytest.raises(EngineReplyError, match="for a batch of 2") as e:
+            await client.generate([REQ, REQ])
+        assert "\n" not in str(e.value)
 
     asyncio.run(with_fake(test))
 

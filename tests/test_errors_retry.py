@@ -46,7 +46,8 @@ def reads_a_missing_column(prompt: str, response: str, metadata: Mapping[str, An
 
 
 class ScriptedEngine:
-    """/generate answers `statuses` in order (then 200): a status >= 400 gets an error body."""
+    """/generate answers `statuses` in order (then 200): a status >= 400 gets an error body.
+    A batch (a group's samples in SGLang's list form: one call per try) gets a list."""
 
     def __init__(self, statuses: list[int]) -> None:
         self.statuses, self.calls = list(statuses), []
@@ -60,7 +61,9 @@ class ScriptedEngine:
         ids = [22]  # "2" in the embedded tokenizer
         meta = {"id": "r", "finish_reason": {"type": "stop"}, "prompt_tokens": 3,
                 "weight_version": "0", "output_token_logprobs": [[-0.2, 22, None]]}  # fmt: skip
-        return web.json_response({"text": "2", "output_ids": ids, "meta_info": meta})
+        one = {"text": "2", "output_ids": ids, "meta_info": meta}
+        prompts = (await request.json())["input_ids"]
+        return web.json_response([one] * len(prompts) if isinstance(prompts[0], list) else one)
 
 
 @pytest.fixture(scope="module")
@@ -118,26 +121,26 @@ def item(**metadata: Any) -> PromptItem:
 
 
 def test_a_busy_engine_is_retried_with_backoff_then_the_group_arrives(tok_dir):
-    result, engine, groups = run_one(tok_dir, [503, 503], item())  # both requests of try 1
+    result, engine, groups = run_one(tok_dir, [503], item())  # try 1: the group's one request
     assert result.ok and not result.permanent and result.error == ""
     assert [g.group_id for g in groups] == ["e0-i0"] and groups[0].rewards.tolist() == [1.0, 1.0]
-    assert len(engine.calls) == 4  # try 1: two requests (503), try 2: two requests (200)
-    assert engine.calls[2] - engine.calls[1] >= 0.1  # it waited (backoff 0.2 s, jitter 0.5-1)
+    assert len(engine.calls) == 2  # try 1: 503, try 2: 200 (each: one batch of n=2 samples)
+    assert engine.calls[1] - engine.calls[0] >= 0.1  # it waited (backoff 0.2 s, jitter 0.5-1)
 
 
 def test_a_retriable_error_gives_up_after_the_cap_and_is_reissued(tok_dir):
-    result, engine, groups = run_one(tok_dir, [503] * 6, item())
+    result, engine, groups = run_one(tok_dir, [503] * 3, item())
     assert not result.ok and not result.permanent and groups == []
-    assert len(engine.calls) == 6  # retry_attempts=3 tries of n=2 requests, then reported
-    gaps = [b - a for a, b in zip(engine.calls[1::2], engine.calls[2::2], strict=False)]
+    assert len(engine.calls) == 3  # retry_attempts=3 tries (one batched request each), reported
+    gaps = [b - a for a, b in zip(engine.calls, engine.calls[1:], strict=False)]
     assert len(gaps) == 2 and all(gap >= 0.1 for gap in gaps)
     assert "HTTP 503" in result.error and result.error.index("the real reason") > 300
 
 
 def test_an_engine_4xx_fails_the_prompt_permanently_at_once_with_the_whole_message(tok_dir):
-    result, engine, groups = run_one(tok_dir, [400, 400], item())
+    result, engine, groups = run_one(tok_dir, [400], item())
     assert not result.ok and result.permanent and groups == []
-    assert len(engine.calls) == 2  # one try: no retry for an answer that will not change
+    assert len(engine.calls) == 1  # one try: no retry for an answer that will not change
     assert "answered HTTP 400" in result.error
     assert result.error.index("the real reason: input_ids too long for this model") > 300
 
@@ -151,7 +154,7 @@ def test_an_engine_4xx_fails_the_prompt_permanently_at_once_with_the_whole_messa
 )
 def test_a_reward_that_raises_is_permanent_and_named(tok_dir, reward_fn, metadata, expected):
     result, engine, _ = run_one(tok_dir, [], item(**metadata), reward_fn=reward_fn)
-    assert not result.ok and result.permanent and len(engine.calls) == 2
+    assert not result.ok and result.permanent and len(engine.calls) == 1
     assert f"reward_fn {reward_fn!r} failed on prompt e0-i0" in result.error
     assert expected in result.error
 

@@ -83,6 +83,12 @@ def bodies_sent(tmp_path: Path, version: str) -> list[tuple[str, dict]]:
                 sampling_params(GeneratingArgs(), 8),
             ):
                 await client.generate_one({"input_ids": [3, 4], "sampling_params": params})
+            await client.generate(  # a group in SGLang's batch form (single-turn rollouts)
+                [
+                    {"input_ids": [3, 4], "sampling_params": sampling_params(gen, 8, seed=1)},
+                    {"input_ids": [3, 4, 5], "sampling_params": params, "rid": "g-1"},
+                ]
+            )
             named = [("a", torch.ones(3)), ("b", torch.ones(2, dtype=torch.bfloat16))]
             for i, mode in enumerate(("in_place", "retract", "abort", None)):
                 fmt = "flattened_bucket" if i % 2 else None
@@ -166,15 +172,17 @@ def test_every_sampling_params_passes_sglangs_own_checks(tmp_path, version):
     if "sglang/api/v1/api_types.py" in whl.namelist():
         gate = load_module(whl, "sglang/api/v1/api_types.py")
     generates = [b for p, b in bodies_sent(tmp_path, version) if p == "/generate"]
-    assert len(generates) == 7 and [b.get("lora_path") for b in generates[3:]] == [
+    assert len(generates) == 8 and [b.get("lora_path") for b in generates[4:]] == [
         None,
         "asyncrl-v1",
         None,
         "asyncrl-v2",
     ]  # fmt: skip (the LoRA client's version probes, then its requests)
+    assert isinstance(generates[3]["input_ids"][0], list)  # the batch
     for body in generates:
-        params = sp.SamplingParams(**body["sampling_params"])
-        params.verify(vocab_size=64)
+        batch = body["sampling_params"]
+        for one in batch if isinstance(batch, list) else [batch]:
+            sp.SamplingParams(**one).verify(vocab_size=64)
         if gate is not None:
             gate.GenerateRequest.from_json_value(body)
     bad = {**generates[0]["sampling_params"], "top_p": 0.0}  # the check is live

@@ -235,3 +235,35 @@ def test_a_session_left_open_by_a_failed_sync_is_closed_before_the_next(tmp_path
         assert got["version"] == "2" and paths.count("/end_weight_update") == 2
     finally:
         handle.stop()
+
+
+def test_a_batched_first_reply_cut_by_an_abort_is_continued_from_its_partial_output():
+    """A group's first replies come from one batched request; an aborted one is continued
+    alone (prompt + partial output, the rest of the budget) and keeps its partial tokens'
+    logprobs and versions."""
+    from asyncrl.engine.replies import parse_completion
+
+    def reply(ids: list[int], finish: str, version: str) -> dict:
+        meta = {"finish_reason": {"type": finish}, "weight_version": version,
+                "prompt_tokens": 2, "output_token_logprobs": [[-0.5, t, None] for t in ids]}  # fmt: skip
+        return {"output_ids": ids, "meta_info": meta}
+
+    class Continues:  # the engine edge: records the continuation it is asked
+        asked: list[dict] = []
+
+        async def generate_one(self, request):
+            self.asked.append(request)
+            return parse_completion("http://engine", reply([9, 2], "stop", "4"), True)
+
+    first = parse_completion("http://engine", reply([7, 8], "abort", "3"), True)
+    request = {"input_ids": [1, 1], "sampling_params": {"max_new_tokens": 6}}
+    engine = Continues()
+    c = asyncio.run(generate_continued(engine, request, 6, first))
+    assert [a["input_ids"] for a in engine.asked] == [[1, 1, 7, 8]]
+    assert engine.asked[0]["sampling_params"]["max_new_tokens"] == 4
+    assert c.output_ids == [7, 8, 9, 2] and c.token_versions() == [3, 3, 4, 4]
+    assert c.finish_reason == "stop" and c.prompt_tokens == 2
+    done = parse_completion("http://engine", reply([5, 2], "stop", "3"), True)
+    engine.asked.clear()
+    assert asyncio.run(generate_continued(engine, request, 6, done)).output_ids == [5, 2]
+    assert engine.asked == []  # a finished first reply is not asked again

@@ -35,6 +35,10 @@ from asyncrl.engine.replies import (
     EngineReplyError,
     EngineTimeoutError,
     GenerateRequest,
+    as_request,
+    batch_items,
+    generate_body,
+    one_line,
     parse_completion,
 )
 from asyncrl.engine.versions import EngineProfile, profile_for, seed_warning
@@ -129,17 +133,20 @@ class EngineClient:
     async def _call_ok(self, method: str, path: str, body=None, timeout_s=None) -> object:
         status, data = await self._call(method, path, body, timeout_s)
         if status != 200:
-            raise EngineError(self.url, f"{path} answered HTTP {status}: {_one_line(data)}")
+            raise EngineError(self.url, f"{path} answered HTTP {status}: {one_line(data)}")
         return data
 
-    async def _call_success(self, path: str, body: dict, timeout_s: float | None) -> str:
-        """For SGLang's `{"success", "message"}` endpoints: the message, or EngineError."""
+    async def _call_success(
+        self, path: str, body: dict, timeout_s: float | None, message: str = "message"
+    ) -> str:
+        """For SGLang's `{"success", <message>}` endpoints (`error_message` in the LoRA ones'
+        `LoRAUpdateOutput`): the message, or EngineError."""
         _, data = await self._call("POST", path, body, timeout_s)
         if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
-            raise EngineReplyError(self.url, f"{path} reply lacks success: {_one_line(data)}")
+            raise EngineReplyError(self.url, f"{path} reply lacks success: {one_line(data)}")
         if not data["success"]:
-            raise EngineError(self.url, f"{path} failed: {_one_line(data.get('message'))}")
-        return str(data.get("message", ""))
+            raise EngineError(self.url, f"{path} failed: {one_line(data.get(message))}")
+        return str(data.get(message) or "")
 
     # ---- generation ------------------------------------------------------------------------
     async def generate_one(
@@ -148,48 +155,56 @@ class EngineClient:
         """One request: a GenerateRequest or a dict with the same keys. `priority`: SGLang's
         scheduling priority (larger first; honoured by SGLang only with
         `--enable-priority-scheduling`, always by the hf server); None sends none."""
-        if isinstance(req, dict):
-            req = _request_from_dict(self.url, req)
+        return (await self._generate([as_request(self.url, req)], False, priority))[0]
+
+    async def generate(
+        self, requests: Sequence[GenerateRequest | dict], *, priority: int | None = None
+    ) -> list[Completion]:
+        """The requests as ONE batched /generate (SGLang's list form of `input_ids`, with
+        per-item `sampling_params`, `return_logprob`, `rid` and `extra_key`): one HTTP round
+        trip and one parse for a whole group instead of one per sample. The engine schedules
+        every item as its own request; the replies come back in order, each checked alone."""
+        reqs = [as_request(self.url, r) for r in requests]
+        return await self._generate(reqs, True, priority) if reqs else []
+
+    async def _generate(
+        self, reqs: list[GenerateRequest], batched: bool, priority: int | None
+    ) -> list[Completion]:
+        """POST /generate with every body key each request needs: the cache namespace of the
+        requests without an `extra_key` of their own, the priority, the adapter; a refused
+        adapter is retried once on the engine's new one."""
         lora = await self._current_lora()
-        body = {
-            "input_ids": list(req.input_ids),
-            "sampling_params": dict(req.sampling_params),
-            "return_logprob": req.return_logprob,
-            "logprob_start_len": -1,
-        }
-        if req.rid is not None:
-            body["rid"] = req.rid
-        own = cache_namespace(self.seen_version if lora is None else lora)
-        body["extra_key"] = req.extra_key or own
+        body = generate_body(reqs, batched)
         if priority is not None:
             body["priority"] = priority
-        if lora is not None:
-            body["lora_path"] = adapter_name(lora)
-        data, lora = await self._post_generate(body, lora, req.extra_key is None)
-        completion = parse_completion(self.url, data, req.return_logprob)
-        if completion.version is not None:
-            self.seen_version = max(self.seen_version or 0, completion.version)
-        if lora is not None:  # every token was sampled by the adapter the request named
-            completion = replace(completion, weight_version=str(lora), output_token_versions=None)
-        return completion
-
-    async def _post_generate(self, body: dict, lora: int | None, own_key: bool) -> tuple:
-        """(reply, adapter version it ran on); a refused adapter is retried once on the new."""
         try:
-            return await self._call_ok("POST", "/generate", body, self.timeout), lora
+            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
         except EngineError as e:
             if lora is None or "lora" not in e.problem.lower():
                 raise
             await self.refresh_lora()
             if self._lora in (None, lora):
                 raise
-        key = {"extra_key": cache_namespace(self._lora)} if own_key else {}
-        body = {**body, "lora_path": adapter_name(self._lora), **key}
-        return await self._call_ok("POST", "/generate", body, self.timeout), self._lora
+            lora = self._lora
+            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
+        items = batch_items(self.url, data, len(reqs)) if batched else [data]
+        return [self._completion(d, r, lora) for d, r in zip(items, reqs)]
 
-    async def generate(self, requests: Sequence[GenerateRequest | dict]) -> list[Completion]:
-        """One HTTP request per item, concurrently, so the engine batches them dynamically."""
-        return list(await asyncio.gather(*(self.generate_one(r) for r in requests)))
+    def _routed(self, body: dict, lora: int | None, reqs: list[GenerateRequest]) -> dict:
+        own = cache_namespace(self.seen_version if lora is None else lora)
+        keys = [r.extra_key or own for r in reqs]
+        body = {**body, "extra_key": keys if isinstance(body["input_ids"][0], list) else keys[0]}
+        if lora is not None:
+            body["lora_path"] = adapter_name(lora)
+        return body
+
+    def _completion(self, data: object, req: GenerateRequest, lora: int | None) -> Completion:
+        completion = parse_completion(self.url, data, req.return_logprob)
+        if completion.version is not None:
+            self.seen_version = max(self.seen_version or 0, completion.version)
+        if lora is not None:  # every token was sampled by the adapter the request named
+            completion = replace(completion, weight_version=str(lora), output_token_versions=None)
+        return completion
 
     # ---- control ---------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:
@@ -202,7 +217,7 @@ class EngineClient:
         """True if flushed; False when the engine refuses (requests still running)."""
         status, data = await self._call("POST", "/flush_cache")
         if status not in (200, 400):
-            raise EngineError(self.url, f"/flush_cache answered HTTP {status}: {_one_line(data)}")
+            raise EngineError(self.url, f"/flush_cache answered HTTP {status}: {one_line(data)}")
         return status == 200
 
     async def profile(self) -> EngineProfile:
@@ -213,7 +228,7 @@ class EngineClient:
             if status != 200:
                 data = await self._call_ok("GET", "/get_server_info")
             if not isinstance(data, dict) or not isinstance(data.get("version"), str):
-                raise EngineReplyError(self.url, f"server info has no version: {_one_line(data)}")
+                raise EngineReplyError(self.url, f"server info has no version: {one_line(data)}")
             self._profile = profile_for(data["version"])
             if warning := seed_warning(data, self.url):
                 log.warning("%s", warning)
@@ -277,7 +292,7 @@ class EngineClient:
     async def get_weight_version(self) -> str:
         data = await self._call_ok("GET", "/get_weight_version")
         if not isinstance(data, dict) or "weight_version" not in data:
-            raise EngineReplyError(self.url, f"/get_weight_version reply: {_one_line(data)}")
+            raise EngineReplyError(self.url, f"/get_weight_version reply: {one_line(data)}")
         return str(data["weight_version"])
 
     async def update_weight_version(
@@ -339,10 +354,11 @@ class EngineClient:
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
         """The engine loads the PEFT adapter directory `lora_path` (on its host) as `lora_name`."""
         body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
-        await self._lora_call("/load_lora_adapter", body)
+        await self._call_success("/load_lora_adapter", body, None, "error_message")
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
-        await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name})
+        body = {"lora_name": lora_name}
+        await self._call_success("/unload_lora_adapter", body, None, "error_message")
 
     async def lora_adapters(self) -> list[str]:
         """The adapters in `/v1/models` (entries with a `parent`); [] without it (hf engine)."""
@@ -351,14 +367,13 @@ class EngineClient:
             return []
         cards = data.get("data") if isinstance(data, dict) else None
         if not isinstance(cards, list):
-            raise EngineReplyError(self.url, f"/v1/models reply lacks data: {_one_line(data)}")
+            raise EngineReplyError(self.url, f"/v1/models reply lacks data: {one_line(data)}")
         return [str(c.get("id")) for c in cards if isinstance(c, dict) and c.get("parent")]
 
     async def refresh_lora(self) -> None:
         """Name the adapter of the version the engine reports, asked by a 1-token /generate
         (routed like any request; every engine holds the adapter of a reported version)."""
-        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
-        body["return_logprob"] = False
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}, "return_logprob": False}
         data = await self._call_ok("POST", "/generate", body, self.timeout)
         version = parse_completion(self.url, data, False).version
         if version is None:
@@ -373,33 +388,3 @@ class EngineClient:
         if self._lora is not None and (self.seen_version or 0) > self._lora:
             self._lora = self.seen_version
         return self._lora
-
-    async def _lora_call(self, path: str, body: dict) -> None:
-        """SGLang answers these with `LoRAUpdateOutput`: {success, error_message, ...}."""
-        _, data = await self._call("POST", path, body, None)
-        if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
-            raise EngineReplyError(self.url, f"{path} reply lacks success: {_one_line(data)}")
-        if not data["success"]:
-            raise EngineError(self.url, f"{path} failed: {_one_line(data.get('error_message'))}")
-
-
-def _request_from_dict(url: str, d: dict) -> GenerateRequest:
-    unknown = set(d) - {"input_ids", "sampling_params", "rid", "return_logprob", "extra_key"}
-    if unknown or "input_ids" not in d:
-        raise ValueError(
-            f"generate request for {url}: bad keys {sorted(unknown) or 'no input_ids'}"
-        )
-    return GenerateRequest(
-        input_ids=list(d["input_ids"]),
-        sampling_params=dict(d.get("sampling_params") or {}),
-        rid=d.get("rid"),
-        return_logprob=bool(d.get("return_logprob", True)),
-        extra_key=d.get("extra_key"),
-    )
-
-
-def _one_line(data: object, limit: int = 300) -> str:
-    if isinstance(data, dict) and "message" in data:
-        data = data["message"]
-    text = " ".join(str(data).split())
-    return text[:limit] + ("..." if len(text) > limit else "")

@@ -1,4 +1,5 @@
-"""What engines answer: the errors, and `/generate` replies checked into `Completion`s.
+"""What engines are asked and answer: `/generate` bodies (single or SGLang's batch form), the
+errors, and `/generate` replies checked into `Completion`s.
 
 Every reply is checked before it is trusted: a malformed one raises `EngineReplyError` naming
 the engine URL and what is wrong. Per-token weight versions come from SGLang's spans
@@ -9,6 +10,8 @@ every token gets the request's final `weight_version`.
 from __future__ import annotations
 
 import math
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 FINISH_TYPES = ("stop", "length", "abort")
@@ -171,3 +174,55 @@ def _parse_logprobs(entries: object, out: list[int], bad) -> list[float]:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def as_request(url: str, d: GenerateRequest | dict) -> GenerateRequest:
+    """A generate request: a GenerateRequest as it is, or one made of a dict of its keys."""
+    if isinstance(d, GenerateRequest):
+        return d
+    unknown = set(d) - {"input_ids", "sampling_params", "rid", "return_logprob", "extra_key"}
+    if unknown or "input_ids" not in d:
+        raise ValueError(
+            f"generate request for {url}: bad keys {sorted(unknown) or 'no input_ids'}"
+        )
+    return GenerateRequest(
+        input_ids=list(d["input_ids"]),
+        sampling_params=dict(d.get("sampling_params") or {}),
+        rid=d.get("rid"),
+        return_logprob=bool(d.get("return_logprob", True)),
+        extra_key=d.get("extra_key"),
+    )
+
+
+def one_line(data: object, limit: int = 300) -> str:
+    """An engine's reply (its `message` where it has one) as one line of at most `limit`."""
+    if isinstance(data, dict) and "message" in data:
+        data = data["message"]
+    text = " ".join(str(data).split())
+    return text[:limit] + ("..." if len(text) > limit else "")
+
+
+def batch_items(url: str, data: object, n: int) -> list:
+    """The items of a batched /generate reply: a list of exactly `n` (one per request)."""
+    if not isinstance(data, list) or len(data) != n:
+        got = f"{len(data)} items" if isinstance(data, list) else type(data).__name__
+        raise EngineReplyError(url, f"malformed /generate reply: {got} for a batch of {n}")
+    return data
+
+
+def generate_body(reqs: list[GenerateRequest], batched: bool) -> dict:
+    """The /generate body of `reqs`: SGLang's list form (a value per item) when `batched`,
+    else the single form of the one request. SGLang wants one `rid` per item, or none."""
+
+    def each(value: Callable[[GenerateRequest], object]) -> object:
+        return [value(r) for r in reqs] if batched else value(reqs[0])
+
+    body = {
+        "input_ids": each(lambda r: list(r.input_ids)),
+        "sampling_params": each(lambda r: dict(r.sampling_params)),
+        "return_logprob": each(lambda r: r.return_logprob),
+        "logprob_start_len": -1,
+    }
+    if any(r.rid is not None for r in reqs):
+        body["rid"] = each(lambda r: r.rid or uuid.uuid4().hex)
+    return body

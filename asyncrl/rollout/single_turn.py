@@ -1,12 +1,13 @@
 """Single-turn rollouts: one prompt in, a scored `TrajectoryGroup` of n responses out.
 
-For each prompt `GroupBuilder` sends `n` concurrent requests through the SGLang-protocol client,
-continues every aborted one (`finish_reason: abort`, a weight sync with `pause_mode: abort`)
-from its partial output until it really finishes (`generate_continued`: the partial tokens keep
-their logprobs and versions; one still aborted after `MAX_CONTINUATIONS` fails the prompt, which
-is retried and re-issued, never trained as finished), scores every response with the reward function and computes the group's advantages (the group
-estimators: grpo, drgrpo, rloo). No transport: the rollout worker and the equivalence test's
-reference loop share it.
+For each prompt `GroupBuilder` sends its `n` samples as one batched request (SGLang's list
+form) through the SGLang-protocol client, continues every aborted one (`finish_reason: abort`,
+a weight sync with `pause_mode: abort`) from its partial output until it really finishes
+(`generate_continued`: the partial tokens keep their logprobs and versions; one still aborted
+after `MAX_CONTINUATIONS` fails the prompt, which is retried and re-issued, never trained as
+finished), scores every response with the reward function and computes the group's advantages
+(the group estimators: grpo, drgrpo, rloo). No transport: the rollout worker and the
+equivalence test's reference loop share it.
 
 The reward function sees the prompt row's fields (`item.metadata`) as they are. In the group's
 metadata they travel under `"data"` (see `group_metadata`), apart from asyncrl's own keys, so
@@ -46,8 +47,9 @@ class AbortedSampleError(RuntimeError):
     aborting): retriable, the prompt is tried again whole."""
 
 
-async def generate_continued(client: Any, request: dict, max_new: int) -> Any:
-    """`request` (input_ids, sampling_params, ...) until it finishes other than by abort.
+async def generate_continued(client: Any, request: dict, max_new: int, first: Any = None) -> Any:
+    """`request` (input_ids, sampling_params, ...) until it finishes other than by abort;
+    `first`: its first reply when already asked (a group's batched request).
 
     An abort cut by a weight sync is re-submitted as a continuation: prompt + partial output,
     `max_new_tokens` reduced by what was generated; the result is one Completion of every
@@ -56,10 +58,13 @@ async def generate_continued(client: Any, request: dict, max_new: int) -> Any:
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
-    for _ in range(MAX_CONTINUATIONS + 1):
-        params = {**request["sampling_params"], "max_new_tokens": max_new - len(out_ids)}
-        body = {**request, "input_ids": list(request["input_ids"]) + out_ids}
-        c = await client.generate_one({**body, "sampling_params": params})
+    for attempt in range(MAX_CONTINUATIONS + 1):
+        if attempt == 0 and first is not None:
+            c = first
+        else:
+            params = {**request["sampling_params"], "max_new_tokens": max_new - len(out_ids)}
+            body = {**request, "input_ids": list(request["input_ids"]) + out_ids}
+            c = await client.generate_one({**body, "sampling_params": params})
         if c.finish_reason == "abort" and c.abort_status is not None and c.abort_status < 500:
             raise PermanentRolloutError(f"engine refused the request: {c.abort_message}")
         out_ids += c.output_ids
@@ -101,7 +106,9 @@ class GroupBuilder:
         self.reward_fn = get_reward_fn(settings.rollout.reward_fn)
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
-        """n concurrent requests for one prompt, scored, with group advantages."""
+        """The prompt's n samples as one batched request (one HTTP round trip; the engine
+        schedules each sample alone), aborted ones continued one by one, scored, with group
+        advantages."""
         s, client = self.s, self.clients[next(self._next_engine)]
         requests = [
             {
@@ -114,8 +121,9 @@ class GroupBuilder:
             for i in range(s.n)
         ]
         max_new = s.max_new_tokens
+        firsts = await client.generate(requests)
         completions = await asyncio.gather(
-            *(generate_continued(client, r, max_new) for r in requests)
+            *(generate_continued(client, r, max_new, c) for r, c in zip(requests, firsts))
         )
         return self._build_group(item, completions)
 

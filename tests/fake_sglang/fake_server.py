@@ -37,9 +37,10 @@ NONE = type(None)
 # Request structs (field -> (accepted JSON types, required)), from SGLang's io_struct.py.
 SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/generate": {
-        "input_ids": ((list,), True), "sampling_params": ((dict,), False),
-        "return_logprob": ((bool,), False), "logprob_start_len": ((int,), False),
-        "rid": ((str,), False), "stream": ((bool,), False), "extra_key": ((str, NONE), False),
+        "input_ids": ((list,), True), "sampling_params": ((dict, list), False),
+        "return_logprob": ((bool, list), False), "logprob_start_len": ((int, list), False),
+        "rid": ((str, list), False), "stream": ((bool,), False),
+        "extra_key": ((str, list, NONE), False),
         "priority": ((int, NONE), False), "lora_path": ((str, NONE), False),
     },
     "/begin_weight_update": {"selector": ((str,), False)},
@@ -85,11 +86,7 @@ def violations_of(path: str, body: object) -> list[str]:
         ):
             out.append(f"{path}: {key!r}={body[key]!r} is not {types}")
     if path == "/generate":
-        ids = body.get("input_ids")
-        if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
-            out.append("/generate: input_ids must be a non-empty list of ints")
-        out += [f"/generate: unknown sampling param {k!r}"
-                for k in body.get("sampling_params") or {} if k not in SAMPLING_KEYS]  # fmt: skip
+        out += [f"/generate: {p}" for item in batch_items(body) for p in _item_problems(item)]
     if path == "/pause_generation" and body.get("mode", "abort") not in PAUSE_MODES:
         out.append(f"/pause_generation: mode {body.get('mode')!r}")
     if path == "/update_weights_from_distributed":
@@ -101,6 +98,38 @@ def violations_of(path: str, body: object) -> list[str]:
             out.append("/update_weights_from_distributed: names/dtypes/shapes lengths differ")
         out += [f"dtype {d!r} is not a bare torch dtype name" for d in body.get("dtypes", [])
                 if not isinstance(d, str) or d.startswith("torch.")]  # fmt: skip
+    return out
+
+
+def batch_items(body: dict) -> list[dict]:
+    """A /generate body as its requests: SGLang's list form (`input_ids` a list of lists; a
+    list-valued field gives each item its own value, any other applies to all) or one."""
+    ids = body.get("input_ids")
+    if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        return [body]
+    per_item = ("sampling_params", "return_logprob", "logprob_start_len", "rid", "extra_key")
+    items = []
+    for i, one in enumerate(ids):
+        item = {**body, "input_ids": one}
+        for key in per_item:
+            if isinstance(body.get(key), list):
+                item[key] = body[key][i] if i < len(body[key]) else "<missing>"
+        items.append(item)
+    return items
+
+
+def _item_problems(item: dict) -> list[str]:
+    ids, out = item.get("input_ids"), []
+    if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+        out.append("input_ids must be a non-empty list of ints (or a list of such lists)")
+    if any(
+        isinstance(item.get(k), list) or item.get(k) == "<missing>"
+        for k in item
+        if k != "input_ids"
+    ):
+        out.append("a per-item list is not one value per input")
+    params = item.get("sampling_params") or {}
+    out += [f"unknown sampling param {k!r}" for k in params if k not in SAMPLING_KEYS]
     return out
 
 
@@ -152,6 +181,15 @@ class FakeSGLang:
         if isinstance(body, web.Response):
             return body
         await self.paused.wait()  # arrivals while paused wait in the tokenizer manager
+        items = batch_items(body)
+        replies = await asyncio.gather(*(self.generate_item(item) for item in items))
+        refused = [r for r in replies if isinstance(r, web.Response)]
+        if refused:  # SGLang fails the whole request
+            return refused[0]
+        return web.json_response(replies if items[0] is not body else replies[0])
+
+    async def generate_item(self, body: dict) -> dict | web.Response:
+        """One request (a batch's item or a whole body): its reply object."""
         adapter = body.get("lora_path")
         try:
             logprob = self.loras.acquire(adapter)
@@ -189,7 +227,7 @@ class FakeSGLang:
             meta["weight_version"] = versions[-1]
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
-        return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
+        return {"text": "", "output_ids": out, "meta_info": meta}
 
     async def may_continue(self, me: object, epoch: int) -> bool:
         """Between two tokens: False if aborted; held while paused in_place (still running,
