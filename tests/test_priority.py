@@ -114,7 +114,9 @@ def _evaluator(tiny_model, priority: int | None) -> tuple[Evaluator, list[dict]]
         sent.append(body)
         meta = {"finish_reason": {"type": "length"}, "weight_version": "3", "prompt_tokens": 2}
         meta |= {"output_token_weight_versions": ["3"], "output_token_logprobs": [[-0.1, 5, None]]}
-        return {"output_ids": [5], "meta_info": meta}
+        one = {"output_ids": [5], "meta_info": meta}
+        batched = isinstance(body["input_ids"][0], list)  # SGLang's list form: a list back
+        return [one] * len(body["input_ids"]) if batched else one
 
     client._call_ok = call_ok
     logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
@@ -127,9 +129,11 @@ def _evaluator(tiny_model, priority: int | None) -> tuple[Evaluator, list[dict]]
 def test_evaluation_requests_carry_eval_priority_and_parse_on_the_hf_server(tiny_model):
     ev, sent = _evaluator(tiny_model, None)
     outs, _ = asyncio.run(ev._generate(3))
-    assert outs == [[5], [5]] and len(sent) == 2
+    assert outs == [[5], [5]] and len(sent) == 1  # both prompts in one batched request
+    assert sent[0]["input_ids"] == [[1, 2], [1, 2]]
     assert all(body["priority"] == -1 for body in sent)  # default: below rollout's 0
-    assert parse_generate(sent[0], lambda s: None)[0][0].priority == -1
+    parsed, batched = parse_generate(sent[0], lambda s: None)
+    assert batched and [seq.priority for seq in parsed] == [-1, -1]
     ev, sent = _evaluator(tiny_model, 0)
     asyncio.run(ev._generate(3))
     assert all("priority" not in body for body in sent)  # same priority as rollout: none sent

@@ -3,11 +3,13 @@ weight version a step produced, while the learner goes on training. Env runs pla
 episodes instead (see "Episodes" below).
 
 `submit(step, version)` sends the held-out prompts to the engines as ordinary requests (the
-same SGLang-protocol client, the same reward function, greedy `sampling_params`) at SGLang
-priority `logging.eval_priority` (default -1, below rollout's 0: on a shared engine evaluation
-takes the slots rollout leaves free; with `logging.eval_engine: dedicated` only to the engine
-the fleet reserves for it, which rollout never uses) and returns at once; `results()` hands back, keyed by step, every evaluation that has completed; the loop
-merges each into the row of its step (`metrics/deferred.py`), written once it lands.
+same SGLang-protocol client, `EVAL_CHUNK` prompts per batched /generate, the same reward
+function, greedy `sampling_params`) at SGLang priority `logging.eval_priority` (default -1,
+below rollout's 0: on a shared engine evaluation takes the slots rollout leaves free; with
+`logging.eval_engine: dedicated` only to the engine the fleet reserves for it, which rollout
+never uses) and returns at once; `results()` hands back, keyed by step, every evaluation that
+has completed; the loop merges each into the row of its step (`metrics/deferred.py`), written
+once it lands.
 
 Pinning: the engines hold one version at a time, so an evaluation of version v must run before
 the weights of v+1 reach them. `wait_before_sync()` is called before every weight sync and
@@ -54,6 +56,9 @@ from asyncrl.weights.sync import WeightSource
 
 #: Episode evaluation modes: the metric prefix of each, and whether it generates greedily.
 EPISODE_MODES = {EVAL_GREEDY: True, EVAL_SAMPLED: False}
+#: Held-out prompts per batched /generate: a few round trips per evaluation instead of one per
+#: prompt (the engine still schedules each prompt alone, at evaluation's priority).
+EVAL_CHUNK = 64
 
 
 def heldout_seed_items(env: EnvConfig, n: int) -> list[PromptItem]:
@@ -172,15 +177,15 @@ class Evaluator:
         the last one came back (`perf_counter`)."""
         clients = self.fleet.eval_clients()  # logging.eval_engine: one, or all
         params = sampling_params(self.s.generating, self.s.max_new_tokens, greedy=True)
-        outs = await asyncio.gather(
+        reqs = [{"input_ids": it.prompt_ids, "sampling_params": params} for it in self.items]
+        chunks = [reqs[i : i + EVAL_CHUNK] for i in range(0, len(reqs), EVAL_CHUNK)]
+        done = await asyncio.gather(
             *(
-                clients[i % len(clients)].generate_one(
-                    {"input_ids": it.prompt_ids, "sampling_params": params},
-                    priority=self.priority,
-                )
-                for i, it in enumerate(self.items)
+                clients[c % len(clients)].generate(chunk, priority=self.priority)
+                for c, chunk in enumerate(chunks)
             )
         )
+        outs = [o for chunk in done for o in chunk]
         finished = time.perf_counter()
         seen = {v for o in outs for v in (o.token_versions() or [o.version])}
         if seen != {version}:
