@@ -153,7 +153,7 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
         "top_p": gen.top_p, "top_k": max(0, gen.top_k),
         "loss_type": "dapo", "beta": 0.0, "epsilon": actor.clip_ratio,
         "scale_rewards": "group" if cfg.algorithm.norm_adv_by_std_in_grpo else "none",
-        "gradient_checkpointing": not cfg.actor_train.model_args.disable_gradient_checkpointing,
+        "gradient_checkpointing": cfg.actor_train.model_args.actor_checkpointing(),
         "shuffle_dataset": False, "bf16": False, "use_cpu": True, "seed": cfg.seed,
         "max_steps": cfg.max_steps, "report_to": "none", "save_strategy": "no",
         "logging_steps": 1, "disable_tqdm": True,

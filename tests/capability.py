@@ -95,6 +95,7 @@ def dimensions() -> list[Dimension]:
         Dimension("async.max_staleness", (0, 1, 2)),
         Dimension("actor_train.model_args.lora_rank", (0, 8)),
         Dimension("actor.use_dynamic_bsz", (False, True)),
+        Dimension("actor.share_prompt_forward", (True, False)),
         # FSDP2 over 2 CPU ranks (gloo): fsdp2_train's sharded learner
         Dimension("actor_train.device_mapping", ("[]", "[0,1]")),
         Dimension("algorithm.adv_estimator", names.ADV_ESTIMATORS),

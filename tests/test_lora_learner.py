@@ -71,7 +71,8 @@ def test_lora_step_equals_hand_done_peft_step(tiny_model):
 
     torch.manual_seed(0)
     overrides = ["algorithm.correction_mode=bypass", "actor.loss_agg_mode=token-mean"]
-    learner = _learner(tiny_model, *overrides)
+    # rows run whole, as the hand-built loss below does (test_shared_prompt checks the other)
+    learner = _learner(tiny_model, *overrides, "actor.share_prompt_forward=false")
     torch.manual_seed(0)  # the same fresh adapter as the learner's (seed 0 before wrapping)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")

@@ -252,7 +252,9 @@ def test_micro_batch_size_per_gpu_sets_the_learners_micro_batches(tiny_model):
 
     counts = {}
     for size in (1, 3):
-        _, learner = _learner(tiny_model, f"actor.ppo_micro_batch_size_per_gpu={size}")
+        # rows run whole: one forward per micro-batch (shared prompts take two)
+        key = f"actor.ppo_micro_batch_size_per_gpu={size}"
+        _, learner = _learner(tiny_model, key, "actor.share_prompt_forward=false")
         calls: list[int] = []
 
         def count(*_, calls=calls):  # training forwards only (recomputes run without grad)

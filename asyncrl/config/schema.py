@@ -37,8 +37,11 @@ class ModelArgs:
     """Hugging Face model directory. Empty: the embedded tiny model, built and cached locally."""
     dtype: Dtype | None = None
     """Weights/compute dtype: fp32, bf16 or fp16; null keeps the config's torch_dtype."""
-    disable_gradient_checkpointing: bool = False
-    """Turn activation checkpointing off (training workers only)."""
+    disable_gradient_checkpointing: bool | None = None
+    """Turn activation checkpointing off (training workers only). null (auto): checkpointing is
+    on (ROLL's default), except for actor_train on the embedded tiny model, whose activations
+    are kilobytes: there it would only recompute, and with it off each group's prompt is run
+    once (`actor.share_prompt_forward`)."""
     attn_implementation: str | None = None
     """transformers attention kernel (eager, sdpa, flash_attention_2) of the fsdp2_train
     learner; null picks the default. Refused for other workers and backends (not read there)."""
@@ -64,6 +67,12 @@ class ModelArgs:
     adds random-policy FrozenLake play (valid moves, never a solution). Empty: the default
     embedded model. A non-empty mix is another model, built once and cached under its own key.
     actor_train only, and only with an empty `model_name_or_path`."""
+
+    def actor_checkpointing(self) -> bool:
+        """Whether actor_train checkpoints activations (`disable_gradient_checkpointing`)."""
+        if self.disable_gradient_checkpointing is None:  # auto: off on the embedded model
+            return bool(self.model_name_or_path)
+        return not self.disable_gradient_checkpointing
 
 
 @dataclass

@@ -236,6 +236,14 @@ class ActorConfig:
     into micro-batches of at most `ppo_max_token_len_per_gpu` real tokens (balanced across
     data-parallel ranks) instead of fixed micro-batches of padded rows. Same loss and gradients
     as the padded path (the loss normalisation does not depend on the packing)."""
+    share_prompt_forward: bool = True
+    """Run each group's prompt once per training micro-batch and its n responses against the
+    prompt's KV cache (GRPO's n samples share one prompt: n× fewer prompt tokens in the
+    forward and backward; the same logprobs and gradients as running every row whole). Applies
+    on the fsdp2_train learner's padded micro-batches with activation checkpointing off
+    (`model_args.disable_gradient_checkpointing`: HF's checkpointed layers drop the cache);
+    with packing (`use_dynamic_bsz`), checkpointing on or another learner every row runs
+    whole. false: always run every row whole."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one packed micro-batch per device with `use_dynamic_bsz` (> 0); a
     sequence longer than the budget gets a micro-batch of its own. The default suits

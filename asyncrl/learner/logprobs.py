@@ -37,16 +37,54 @@ def token_logprobs(
     temperature: float,
     with_entropy: bool = False,
     packed: bool = False,
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(token | prefix) for every response token ([B, R]) and optionally the entropy;
-    `packed`: from one packed forward of the real tokens (`packed_token_logprobs`)."""
+    `packed`: from one packed forward of the real tokens (`packed_token_logprobs`); `shared`:
+    each group's prompt run once (`shared_prompt_logits`)."""
     if packed:
         return packed_token_logprobs(model, tensors, temperature, with_entropy)
-    logits = response_logits(model, tensors)
+    logits = (shared_prompt_logits if shared else response_logits)(model, tensors)
     if temperature > 0:
         logits = logits / temperature
     targets = tensors["input_ids"][:, -logits.shape[1] :]
     return _score(logits, targets, with_entropy)
+
+
+def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`response_logits` with each group's prompt run once: rows of one group are consecutive
+    and share their prompt columns (`collate`'s layout, `group_index`), so the prompt forward
+    covers one row per group and its KV cache is gathered out to the group's rows, whose
+    responses then attend to it. A GRPO batch of n samples per prompt computes n× fewer prompt
+    tokens; the values equal the padded path's (same positions, same masks). Always two
+    forwards (data-parallel ranks must agree on the count); needs a model whose layers keep
+    the cache (HF's checkpointed layers drop it: activation checkpointing off)."""
+    resp_len = tensors["response_mask"].shape[1]
+    prompt_len = tensors["input_ids"].shape[1] - resp_len
+    groups = tensors["group_index"]
+    first = torch.ones_like(groups, dtype=torch.bool)
+    first[1:] = groups[1:] != groups[:-1]
+    owner = torch.cumsum(first.long(), 0) - 1  # row -> its group's prompt row
+    heads = first.nonzero().squeeze(-1)
+    cols = slice(0, prompt_len)
+    out = model(
+        input_ids=tensors["input_ids"][heads, cols],
+        attention_mask=tensors["attention_mask"][heads, cols],
+        position_ids=tensors["position_ids"][heads, cols],
+        use_cache=True,
+    )
+    cache = out.past_key_values
+    cache.batch_select_indices(owner)  # differentiable: an index into each layer's K and V
+    rest = model(
+        input_ids=tensors["input_ids"][:, prompt_len:],
+        attention_mask=tensors["attention_mask"],
+        position_ids=tensors["position_ids"][:, prompt_len:],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    # The prompt's last logit predicts response token 0; response token j predicts j + 1.
+    logits = torch.cat([out.logits[owner, -1:], rest.logits[:, : resp_len - 1]], dim=1)
+    return logits.float()
 
 
 def _score(

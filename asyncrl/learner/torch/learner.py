@@ -75,13 +75,17 @@ class TorchLearner:
         self.sync_dtype = dtype if master != dtype else None  # what the engines receive
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master, **attn)
         self.model.to(device)
-        if not train.model_args.disable_gradient_checkpointing:
+        if train.model_args.actor_checkpointing():
             # transformers 5 renamed it; the old name (all that 4.x has) warns there
             enable = getattr(self.model, "activation_checkpointing_enable", None)
             (enable or self.model.gradient_checkpointing_enable)()
+        # Each group's prompt once per micro-batch (`lp.shared_prompt_logits`): the padded path
+        # with layers that keep the KV cache (checkpointed ones drop it).
+        self.shared = actor.share_prompt_forward and not actor.use_dynamic_bsz
+        self.shared &= not train.model_args.actor_checkpointing()
         self.lora = train.model_args.lora_rank > 0
         if self.lora:
-            if not train.model_args.disable_gradient_checkpointing:
+            if train.model_args.actor_checkpointing():
                 # Reentrant checkpointing of a frozen base would leave the adapter without
                 # gradients: the embeddings' output must require grad (peft's documented fix).
                 self.model.enable_input_require_grads()
@@ -335,7 +339,7 @@ class TorchLearner:
         micro = lp.select_rows(data, idx)
         mask = prep["mask"][idx]
         logp, entropy = lp.token_logprobs(
-            self.train_model, micro, self.temperature, True, actor.use_dynamic_bsz
+            self.train_model, micro, self.temperature, True, actor.use_dynamic_bsz, self.shared
         )
         if actor.entropy_coeff == 0 and entropy is not None:
             # Only the metric needs it: detached, its graph (a [B, R, V] softmax) is freed now.
