@@ -146,6 +146,10 @@ class SealedStore(dist.Store):
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._store.set_timeout(timeout)
 
+    def clone(self) -> SealedStore:
+        """The same sealed store over a new connection (gloo's `new_group` asks for one)."""
+        return SealedStore(self._store.clone(), self._secret)
+
     # torch's C++ trampoline calls these two by their C++ names
     def getNumKeys(self) -> int:  # noqa: N802
         return self._store.num_keys()
@@ -167,6 +171,24 @@ def _sealed_store(store: dist.Store, group_name: str) -> SealedStore:
     digest = hashlib.sha256(b"asyncrl weight-update rendezvous\0" + group_name.encode())
     prefix = hashlib.sha256(b"asyncrl keys\0" + digest.digest()).hexdigest()[:16]
     return SealedStore(dist.PrefixStore(prefix, store), digest.digest())
+
+
+def sealed_tcp_store(
+    host: str, port: int, rank: int, world: int, secret: bytes, timeout: datetime.timedelta
+) -> SealedStore:
+    """A TCPStore at host:port (rank 0 hosts it) whose values are sealed with `secret`: the
+    rendezvous of a learner's ranks across nodes (`learner/placement.py:Rendezvous`)."""
+    if len(secret) < 16:
+        raise GroupError("a sealed rendezvous needs a secret of at least 16 bytes")
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
+    digest = hashlib.sha256(b"asyncrl learner rendezvous\0" + secret).digest()
+    return SealedStore(dist.PrefixStore("asyncrl-learner", store), digest)
+
+
+def keep_alive(group: dist.ProcessGroup, store: dist.Store) -> None:
+    """Hold `store` as long as `group` lives: torch keeps only the C++ side of a Python store,
+    and once the Python object is collected every call into it fails ("Not implemented")."""
+    weakref.finalize(group, _keep, store)
 
 
 def create_group(
@@ -200,7 +222,7 @@ def create_group(
             pg = _gloo_group(sealed, rank, world_size, timeout, master_address)
             # The C++ group does not keep a Python store (nor the TCPStore server it wraps)
             # alive: rank 0 returning first would drop the server under the other ranks.
-            weakref.finalize(pg, _keep, sealed)
+            keep_alive(pg, sealed)
             return pg
         if backend == "gloo":
             # The keys torch's helper uses for a gloo group made SGLang's way (see

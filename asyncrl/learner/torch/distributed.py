@@ -25,18 +25,16 @@ import torch
 
 from asyncrl.device import ThreadShare, apply_thread_share
 from asyncrl.learner.objective import check_learner_side
-from asyncrl.learner.placement import RankPlacement
+from asyncrl.learner.placement import RankPlacement, Rendezvous
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.learner import TorchLearner
 
 
-def _join(rank: int, world: int, init_method: str) -> Any:
+def _join(rank: int, world: int, rendezvous: Rendezvous) -> Any:
     """Join the training group (default) and create the checkpoint group; returns the latter.
     Every rank calls this in the same order (new_group is a collective)."""
-    torch.distributed.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world
-    )
+    rendezvous.join(rank, world, "gloo")
     return torch.distributed.new_group(backend="gloo")
 
 
@@ -45,8 +43,8 @@ class _RemoteRank:
     two calls at once (max_concurrency=2) only so `wait_save` can wait on a background write
     while the next `step` trains; the driver never overlaps any other two calls."""
 
-    def __init__(self, kwargs: dict[str, Any], rank: int, world: int, init_method: str) -> None:
-        self.ckpt_group = _join(rank, world, init_method)
+    def __init__(self, kwargs: dict[str, Any], rank: int, world: int, meet: Rendezvous) -> None:
+        self.ckpt_group = _join(rank, world, meet)
         self.learner = TorchLearner(**kwargs, rank=rank, world_size=world)
         self.pending: Future | None = None
 
@@ -104,16 +102,16 @@ class DistributedTorchLearner:
         init_ray()  # no-op when the run already joined its cluster
         self._ray = ray
         placement = placement or RankPlacement()
-        init_method, self._private = placement.rendezvous()  # kept: later groups use it
+        meet, self._private = placement.rendezvous()  # kept: later groups use it
         try:
             remote_cls = ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
             options = placement.actor_options(world_size - 1)
             self.remotes = [
-                remote_cls.options(**opts).remote(kwargs, rank, world_size, init_method)
+                remote_cls.options(**opts).remote(kwargs, rank, world_size, meet)
                 for rank, opts in enumerate(options, start=1)
             ]
             # Rank 0 joins last: init_process_group returns once every rank has arrived.
-            self.ckpt_group = _join(0, world_size, init_method)
+            self.ckpt_group = _join(0, world_size, meet)
             self.local = TorchLearner(**kwargs, rank=0, world_size=world_size)
         except BaseException:
             self.close()
