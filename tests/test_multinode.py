@@ -98,6 +98,9 @@ def kill_after(trained: Path, pid: int, timeout_s: float = 300.0) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+STEPS = 12
+
+
 def test_run_trains_through_engines_and_workers_on_two_nodes(tiny_model, tmp_path, two_nodes):
     import ray
 
@@ -129,7 +132,9 @@ def test_run_trains_through_engines_and_workers_on_two_nodes(tiny_model, tmp_pat
     mp.setattr(PlacedLauncher, "launch", recording_launch)
     mp.setattr(RayWorkerPool, "__init__", recording_pool)
     try:
-        summary = run(shrunk(tiny_model, tmp_path, two_nodes.address))
+        # 12 steps: a 3-step run could end (a few tenths of a second) before the kill and
+        # the heal it must show; each step needs fresh groups, so 11 more steps outlast both
+        summary = run(shrunk(tiny_model, tmp_path, two_nodes.address, f"max_steps={STEPS}"))
     finally:
         mp.undo()
     cluster_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -145,7 +150,7 @@ def test_run_trains_through_engines_and_workers_on_two_nodes(tiny_model, tmp_pat
     assert all(seen["refused"])  # a routable engine wants the run's key
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("version") is not None]
-    assert rows[-1]["version"] == 3 and summary["groups_trained"] == 6
+    assert rows[-1]["version"] == STEPS and summary["groups_trained"] == 2 * STEPS
     assert rows[-1]["engines/engine_restarts"] == 1
     assert rows[-1]["transport/received"] >= 4
     assert all(r["sync/seconds"] > 0 for r in rows)  # the update group met on the node IP
