@@ -1,6 +1,7 @@
 """The learner ranks' rendezvous across nodes: a TCPStore whose values are sealed with a fresh
-per-learner secret (`learner/placement.py:Rendezvous`). Real gloo joins in spawned processes,
-each bounded by a deadline; the only edge faked is the node address (loopback here)."""
+per-learner secret (`learner/placement.py:Rendezvous`), and the Megatron ranks' private file
+store on one host. Real gloo joins in spawned processes, each bounded by a deadline; the only
+edge faked is the node address (loopback here)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,48 @@ def test_multinode_placement_seals_its_rendezvous_and_never_shows_the_secret():
         assert one_host.host.startswith("file://") and one_host.secret == b"" and private
     finally:
         RankPlacement.cleanup(private)
+
+
+def _megatron_rank(meet: Rendezvous, rank: int, out) -> None:
+    """One Megatron rank's join (`build.init_distributed`, no Megatron needed for it)."""
+    import torch
+
+    from asyncrl.device import SPECS
+    from asyncrl.learner.megatron.build import init_distributed
+
+    try:
+        init_distributed(SPECS["cpu"], rank, 2, meet, 0)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        out.put((rank, float(t)))
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_megatron_ranks_meet_in_the_private_file_store_and_a_lone_rank_needs_no_port():
+    from asyncrl.device import SPECS
+    from asyncrl.learner.megatron.build import init_distributed
+
+    meet, private = RankPlacement().rendezvous()  # what MegatronLearner uses on one host
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_megatron_rank, args=(meet, r, out)) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=DEADLINE_S) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        RankPlacement.cleanup(private)
+    assert got == {0: 3.0, 1: 3.0}
+    with pytest.raises(ValueError, match="rank 1 of 2: a multi-rank learner needs a rendezvous"):
+        init_distributed(SPECS["cpu"], 1, 2, None, 0)
+    init_distributed(SPECS["cpu"], 0, 1, None, 0)  # an in-memory store: nothing to join
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ from asyncrl.device import DeviceSpec
 from asyncrl.learner.megatron.args import TRANSFORMER, MegatronConfigError, MegatronPlan
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.weights import HFCheckpoint, load_hf_into, stage_layout, unwrap
+from asyncrl.learner.placement import Rendezvous
 
 
 @dataclass
@@ -40,19 +41,27 @@ class Built:
     """The AutoBridge instance when Megatron-Bridge built the model."""
 
 
-def init_distributed(device: DeviceSpec, rank: int, world: int, init_method: str | None,
+def init_distributed(device: DeviceSpec, rank: int, world: int, meet: Rendezvous | str | None,
                      local: int) -> None:  # fmt: skip
+    """Join the ranks' default group at `meet` (a Rendezvous, or an init URL); a lone rank
+    needs none: it keeps its store in memory (no port, no file another process could join)."""
     if device.kind == "cuda":
         torch.cuda.set_device(local)
     elif device.kind == "npu":
         torch.npu.set_device(local)  # type: ignore[attr-defined]
-    if not torch.distributed.is_initialized():
-        from asyncrl.net import free_port
-
-        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+    if torch.distributed.is_initialized():
+        return
+    if isinstance(meet, Rendezvous):
+        meet.join(rank, world, device.backend)
+    elif meet is not None:
         torch.distributed.init_process_group(
-            device.backend, init_method=init_method, rank=rank, world_size=world
+            device.backend, init_method=meet, rank=rank, world_size=world
         )
+    elif world == 1:
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(device.backend, store=store, rank=0, world_size=1)
+    else:
+        raise ValueError(f"rank {rank} of {world}: a multi-rank learner needs a rendezvous")
 
 
 def init_parallel(plan: MegatronPlan, seed: int) -> None:

@@ -5,8 +5,9 @@ straight from its device into the NCCL/HCCL broadcast) and checkpoints stay wher
 With `len(actor_train.device_mapping)` > 1, ranks 1..W-1 are Ray actors, each pinned to its
 device id (the visibility variable, with Ray told not to override it). Every call is mirrored
 on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts of an
-export while rank 0 yields. One node: the ranks are pinned to the driver's (multi-node
-placement of Megatron ranks is refused at validation).
+export while rank 0 yields. One node: the ranks are pinned to the driver's and meet in a file
+store in a private (0700) directory, never on a port another local process could join
+(multi-node placement of Megatron ranks is refused at validation).
 
 The reference policy for the KL loss (`actor.use_kl_loss`) is a frozen model with the actor's
 parallel layout and dtype: the `reference:` section's model (same architecture and vocabulary
@@ -26,7 +27,7 @@ from asyncrl.device import DeviceSpec, detect_device, device_spec, prepare_megat
 from asyncrl.learner.megatron.build import bridge_class
 from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.worker import MegatronWorker, require_megatron
-from asyncrl.learner.placement import RankPlacement
+from asyncrl.learner.placement import RankPlacement, Rendezvous
 
 __all__ = ["MegatronLearner", "require_megatron"]
 
@@ -37,10 +38,10 @@ NOSET = {"cuda": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
 class _RemoteRank:
     """Ray actor body: one Megatron rank that mirrors rank 0's calls."""
 
-    def __init__(self, kwargs: dict, rank: int, world: int, init_method: str, kind: str) -> None:
+    def __init__(self, kwargs: dict, rank: int, world: int, meet: Rendezvous, kind: str) -> None:
         self.rank = rank
         self.worker = MegatronWorker(**kwargs, rank=rank, world_size=world,
-                                     init_method=init_method, device=device_spec(kind))  # fmt: skip
+                                     init_method=meet, device=device_spec(kind))  # fmt: skip
 
     def step(self, groups: list) -> dict[str, float]:
         return self.worker.step(groups)
@@ -79,17 +80,23 @@ class MegatronLearner:
         kwargs = dict(model_path=str(model_path), train=train, actor=actor, algorithm=algorithm,
                       temperature=temperature, total_steps=total_steps, seed=seed,
                       reference=reference)  # fmt: skip
-        from asyncrl.net import free_port
-
-        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.model_path, self.remotes, self._ray = Path(model_path), [], None
-        if len(mapping) > 1:
-            self._start_remotes(kwargs, mapping, init_method, device)
-        self.local = MegatronWorker(**kwargs, rank=0, world_size=len(mapping),
-                                    init_method=init_method, device=device,
-                                    local_device=mapping[0])  # fmt: skip
+        # One host: the ranks meet in a file store in a private directory (no port a local
+        # process could join); a lone rank keeps its store in memory (build.init_distributed).
+        meet, self._private = RankPlacement().rendezvous() if len(mapping) > 1 else (None, None)
+        try:
+            if meet is not None:
+                self._start_remotes(kwargs, mapping, meet, device)
+            self.local = MegatronWorker(**kwargs, rank=0, world_size=len(mapping),
+                                        init_method=meet, device=device,
+                                        local_device=mapping[0])  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
 
-    def _start_remotes(self, kwargs: dict, mapping: list[int], init: str, dev: DeviceSpec) -> None:
+    def _start_remotes(
+        self, kwargs: dict, mapping: list[int], meet: Rendezvous, dev: DeviceSpec
+    ) -> None:
         import ray
 
         from asyncrl.net import init_ray
@@ -97,7 +104,7 @@ class MegatronLearner:
         init_ray()
         self._ray = ray
         remote_cls = ray.remote(num_cpus=0)(_RemoteRank)
-        # On the driver's node: the ranks take its devices (device_mapping) and meet on loopback.
+        # On the driver's node: the ranks take its devices (device_mapping).
         here = RankPlacement().actor_options(len(mapping) - 1)
         for rank in range(1, len(mapping)):
             env = (
@@ -106,7 +113,7 @@ class MegatronLearner:
                 else {}
             )
             actor = remote_cls.options(runtime_env={"env_vars": env}, **here[rank - 1])
-            self.remotes.append(actor.remote(kwargs, rank, len(mapping), init, dev.kind))
+            self.remotes.append(actor.remote(kwargs, rank, len(mapping), meet, dev.kind))
 
     @property
     def version(self) -> int:
@@ -191,3 +198,4 @@ class MegatronLearner:
             self._ray.kill(remote, no_restart=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        RankPlacement.cleanup(self._private)
