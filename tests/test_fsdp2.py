@@ -240,7 +240,6 @@ def test_failed_async_save_keeps_the_previous_checkpoint_and_surfaces(
     [
         (["actor_train.strategy_args.strategy_config.offload_params=true"], "nothing to offload"),
         (["actor_train.strategy_args.strategy_config.offload_optimizer=1"], "true or false"),
-        (["actor_train.model_args.lora_rank=4", "actor_train.device_mapping=[0,1]"], "LoRA"),
     ],
 )
 def test_config_refuses_what_fsdp2_cannot_honour(overrides, message):

@@ -127,7 +127,7 @@ def check_fsdp2(cfg: Config) -> None:
     """fsdp2_train with > 1 device shards with FSDP2 (asyncrl.learner.torch.fsdp). Its CPU
     offload keys (FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state
     together) are refused: a run's fsdp2_train learner computes on the CPU, where everything is
-    in host memory already, so they would change nothing. LoRA has no sharded form yet."""
+    in host memory already, so they would change nothing."""
     train = cfg.actor_train
     if train.strategy_args.strategy_name != "fsdp2_train":
         return
@@ -141,11 +141,6 @@ def check_fsdp2(cfg: Config) -> None:
                 f"{where}.{key}: the fsdp2_train learner computes on the CPU, where parameters "
                 "and optimizer state are in host memory already (nothing to offload): remove it"
             )
-    if train.model_args.lora_rank > 0 and len(train.device_mapping) > 1:
-        raise ConfigError(
-            "actor_train.model_args.lora_rank: LoRA with more than one actor_train device is "
-            "not available yet (the FSDP2-sharded learner has no adapter gather): use one device"
-        )
 
 
 LORA_FIELDS = (

@@ -48,7 +48,9 @@ class ModelArgs:
     lora_rank: int = 0
     """LoRA rank r of the fsdp2_train actor (peft); 0 trains every weight. With r > 0 only the
     adapter trains, the frozen base stays in `dtype`, the KL reference is the base (adapter off)
-    and syncs send only the adapter (see `weight_sync.lora_sync`). actor_train only."""
+    and syncs send only the adapter (see `weight_sync.lora_sync`). With several devices in
+    `device_mapping` the peft model is FSDP2-sharded whole (base and adapter); the adapter is
+    gathered factor by factor for sync and export. actor_train only."""
     lora_alpha: float = 16.0
     """LoRA alpha (> 0): the adapter's update is scaled by alpha / r (alpha / sqrt(r) with
     `use_rslora`)."""

@@ -77,28 +77,47 @@ def lora_layers(peft_model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
             yield hf_name(name), module
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of a tensor: a DTensor shard (FSDP2) is all-gathered, a collective that
+    every rank runs in the same order; a plain tensor is itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
+
+
+def _factors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, scaling·B) of one adapted layer, whole (gathered from the shards when sharded)."""
+    a = _whole(layer.lora_A[ADAPTER].weight.detach())
+    b = _whole(layer.lora_B[ADAPTER].weight.detach())
+    return a, b * layer.scaling[ADAPTER]
+
+
 @torch.no_grad()
 def adapter_tensors(peft_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The adapter as synced: per layer A and scaling·B (see the module docstring)."""
+    """The adapter as synced: per layer A and scaling·B (see the module docstring). Sharded,
+    every rank must iterate it to the end (one all-gather per factor)."""
     for name, layer in lora_layers(peft_model):
-        yield f"{name}.{LORA_A}", layer.lora_A[ADAPTER].weight.detach()
-        yield f"{name}.{LORA_B}", layer.lora_B[ADAPTER].weight.detach() * layer.scaling[ADAPTER]
+        a, b = _factors(layer)
+        yield f"{name}.{LORA_A}", a
+        yield f"{name}.{LORA_B}", b
 
 
 @torch.no_grad()
 def merged_tensors(peft_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full model under HF names, each adapted weight merged (in the base's dtype)."""
+    """The full model under HF names, each adapted weight merged: W0 + scaling·B·A, computed in
+    fp32 and stored in the base's dtype (peft's `get_delta_weight` for a plain linear layer,
+    the only kind `wrap` admits). Sharded, every rank must iterate it to the end."""
     layers = dict(lora_layers(peft_model))
     for name, tensor in peft_model.get_base_model().state_dict().items():
         if ".lora_" in name:
             continue
         name = hf_name(name)
+        tensor = _whole(tensor.detach())
         module, _, leaf = name.rpartition(".")
         layer = layers.get(module)
         if layer is not None and leaf == "weight":
-            delta = layer.get_delta_weight(ADAPTER)
-            tensor = (tensor.float() + delta.float()).to(tensor.dtype)
-        yield name, tensor.detach()
+            a, b = _factors(layer)
+            tensor = (tensor.float() + b.float() @ a.float()).to(tensor.dtype)
+        yield name, tensor
 
 
 class AdapterOff(torch.nn.Module):
@@ -136,26 +155,40 @@ def load_adapter_state(peft_model: Any, state: dict[str, torch.Tensor]) -> None:
     set_peft_model_state_dict(peft_model, state)
 
 
-def load_model_state(model: Any, state: dict[str, Any], lora_rank: int) -> None:
-    """Load a learner checkpoint's `model` entry: the adapter with LoRA, else the full model;
-    a checkpoint of the other kind is refused in one line."""
+def check_kind(state: dict[str, Any], lora_rank: int) -> None:
+    """A learner checkpoint of the other kind (with or without an adapter) is refused in one
+    line."""
     if bool(state.get("lora", False)) != (lora_rank > 0):
         raise LoraSetupError(
             f"checkpoint {'has' if state.get('lora') else 'has no'} LoRA adapter but "
             f"actor_train.model_args.lora_rank is {lora_rank}"
         )
+
+
+def load_model_state(model: Any, state: dict[str, Any], lora_rank: int) -> None:
+    """Load a learner checkpoint's `model` entry: the adapter with LoRA, else the full model."""
+    check_kind(state, lora_rank)
     if lora_rank > 0:
         load_adapter_state(model, state["model"])
     else:
         model.load_state_dict(state["model"])
 
 
-def save(peft_model: Any, path: Any) -> None:
-    """HF export: the merged model at `path` (a plain HF model directory) and the adapter in
-    PEFT format at `path/adapter` (`PeftModel.from_pretrained(base, path / "adapter")`)."""
-    from pathlib import Path
+def under_model_names(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`adapter_state`'s tensors (peft's keys, no adapter name) under the model's own parameter
+    names, as a sharded load takes them; every adapter tensor must be present."""
+    names = {k.replace(f".{ADAPTER}.", "."): k for k in peft_model.state_dict() if ".lora_" in k}
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise LoraSetupError(
+            f"checkpoint adapter lacks {len(missing)} tensor(s), first {missing[0]!r} "
+            "(saved with another lora_rank or target_modules?)"
+        )
+    return {names[k]: v for k, v in state.items() if k in names}
 
-    path = Path(path)
-    merged = dict(merged_tensors(peft_model))
-    peft_model.get_base_model().save_pretrained(path, state_dict=merged)
-    peft_model.save_pretrained(path / "adapter")
+
+def whole_adapter(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's parameters under the model's own names, whole and on the CPU (sharded:
+    gathered, every rank must call it): what `PeftModel.save_pretrained(state_dict=…)` reads."""
+    return {k: _whole(v.detach()).to("cpu", copy=True)
+            for k, v in peft_model.state_dict().items() if ".lora_" in k}  # fmt: skip

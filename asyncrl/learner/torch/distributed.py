@@ -58,9 +58,14 @@ class _RemoteRank:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.learner.load_state_dict(state)
 
-    def drain_weights(self) -> None:
-        """Run the gathers of rank 0's `weights_for_sync` (or HF export), discarding them."""
-        fsdp.drain(self.learner.weights_for_sync())
+    def drain(self, what: str) -> None:
+        """Run the gathers rank 0 runs for `what` ("weights": `weights_for_sync`, "adapter":
+        `adapter_for_sync`, "export": the HF export), discarding what they gather."""
+        if what == "export":
+            self.learner.save_pretrained(None)  # not rank 0: gathers, writes nothing
+            return
+        tensors = self.learner.adapter_for_sync() if what == "adapter" else None
+        fsdp.drain(tensors or self.learner.weights_for_sync())
 
     def save_sharded(self, path: str, background: bool, optimizer: bool) -> None:
         """This rank's shards into the DCP directory `path` (with rank 0's); `background`:
@@ -98,7 +103,6 @@ class DistributedTorchLearner:
             kwargs.get("reference"), kwargs["model_path"], kwargs["train"],
             kwargs["actor"].use_kl_loss or alg.use_kl_in_reward,
         )  # fmt: skip
-        fsdp.check_shardable(kwargs["train"])
         init_ray()  # no-op when the run already joined its cluster
         self._ray = ray
         placement = placement or RankPlacement()
@@ -134,10 +138,11 @@ class DistributedTorchLearner:
         metrics["learner/world_size"] = float(len(self.remotes) + 1)
         return metrics
 
-    def _gathered(self, tensors: Iterator[Any]) -> Iterator[Any]:
-        """Yield rank 0's `tensors` while every remote rank runs the same gathers. A consumer
-        that stops early still completes them here (the ranks' collectives must match)."""
-        pending = [r.drain_weights.remote() for r in self.remotes]
+    def _gathered(self, tensors: Iterator[Any], what: str = "weights") -> Iterator[Any]:
+        """Yield rank 0's `tensors` while every remote rank runs the same gathers (`what`, see
+        `_RemoteRank.drain`). A consumer that stops early still completes them here (the ranks'
+        collectives must match)."""
+        pending = [r.drain.remote(what) for r in self.remotes]
         try:
             # not `yield from`: closing this generator must not close `tensors` (drained below)
             for item in tensors:  # noqa: UP028
@@ -151,15 +156,20 @@ class DistributedTorchLearner:
         return self._gathered(self.local.weights_for_sync())
 
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
-        return None  # LoRA runs on one device only (fsdp.shard_learner refuses it here)
+        """The LoRA adapter's factors, gathered one at a time; None without LoRA."""
+        tensors = self.local.adapter_for_sync()
+        return None if tensors is None else self._gathered(tensors, "adapter")
 
     def save_pretrained(self, path: Any) -> None:
-        pending = [r.drain_weights.remote() for r in self.remotes]
+        pending = [r.drain.remote("export") for r in self.remotes]
         self.local.save_pretrained(path)
         self._ray.get(pending)
 
-    def pretrained_snapshot(self) -> Callable[[Path], None]:
-        """The HF export's tensors, gathered now onto rank 0's CPU; the writer runs later."""
+    def pretrained_snapshot(self) -> Callable[[Path], None] | None:
+        """The HF export's tensors, gathered now onto rank 0's CPU; the writer runs later. None
+        with LoRA (`save_pretrained` exports the adapter too, at once)."""
+        if self.local.lora:
+            return None
         tensors = self._gathered(self.local.weights_for_sync())
         return fsdp.pretrained_snapshot(self.local.model, tensors)
 

@@ -83,19 +83,6 @@ def shard(
     return model
 
 
-class ShardingError(ValueError):
-    """A setting the sharded (FSDP2) learner cannot honour; one line naming the key."""
-
-
-def check_shardable(train: Any) -> None:
-    """Refuse what the sharded learner cannot do, in one line (config validation says it too)."""
-    if train.model_args.lora_rank > 0:
-        raise ShardingError(
-            "actor_train.model_args.lora_rank: LoRA with more than one actor_train device is "
-            "not available yet (the sharded learner has no adapter gather): use one device"
-        )
-
-
 def shard_learner(
     model: torch.nn.Module,
     reference: torch.nn.Module | None,
@@ -104,8 +91,8 @@ def shard_learner(
     compute_dtype: torch.dtype,
 ) -> None:
     """Shard the policy (`train`: actor_train's section) and a reference model of its own (the
-    frozen copy or the configured one: sharded for inference alike) in place."""
-    check_shardable(train)
+    frozen copy or the configured one: sharded for inference alike) in place. A LoRA policy
+    (peft) is sharded whole, base and adapter alike: only the adapter's shards train."""
     offload = bool(train.strategy_args.strategy_config.get("offload_params", False))
     shard(model, device, compute_dtype, offload)
     if reference is not None:
@@ -200,16 +187,19 @@ def apply_dcp_state(
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     full: bool = False,
+    lora_only: bool = False,
 ) -> None:
     """Load `dcp_state`-shaped values (`full`: whole tensors, every rank a copy) into the
-    modules and the optimizer; the parts `state` lacks are left as they are."""
+    modules and the optimizer; the parts `state` lacks are left as they are (`lora_only`: the
+    model's entries are its adapter's alone)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=full)
+    # LoRA: a one-process save holds the adapter only (the base is the model directory)
+    options = StateDictOptions(full_state_dict=full, strict=not lora_only)
     for name, module in modules.items():
         if name in state:
             set_model_state_dict(module, state[name], options=options)
@@ -282,14 +272,21 @@ def load_sharded(
 
 
 def load_full(
-    modules: Modules, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    modules: Modules,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    lora_on: bool = False,
 ) -> None:
     """Distribute a one-process state (`learner.pt`: whole tensors, the optimizer's numbered
-    in optimizer order) into this rank's shards."""
+    in optimizer order; with LoRA the adapter only, in peft's keys) into this rank's shards."""
+    from asyncrl.learner import lora
+
     full = {name: state[name] for name in modules if isinstance(state.get(name), dict)}
+    if lora_on:
+        full["model"] = lora.under_model_names(modules["model"], full["model"])
     if optimizer is not None and isinstance(state.get("optimizer"), dict):
         full["optimizer"] = named_optimizer_state(modules["model"], optimizer, state["optimizer"])
-    apply_dcp_state(modules, optimizer, full, full=True)
+    apply_dcp_state(modules, optimizer, full, full=True, lora_only=lora_on)
 
 
 def named_optimizer_state(
@@ -333,11 +330,13 @@ def load_model_state(
     configured reference comes from its model directory, whatever a checkpoint holds."""
     from asyncrl.learner import lora
 
+    if "model" in state:  # a checkpoint with(out) an adapter into a learner without (with) one
+        lora.check_kind(state, lora_rank)
     if state.get("model") == "sharded":
         optim = optimizer if state.get("optimizer") == "sharded" else None
         load_sharded(modules, optim, state["sharded_dir"], distributed=sharded(world_size))
     elif sharded(world_size) and "model" in state:  # a one-process learner.pt
-        load_full(modules, optimizer if "optimizer" in state else None, state)
+        load_full(modules, optimizer if "optimizer" in state else None, state, lora_rank > 0)
     else:
         if "model" in state:  # the full model, or with LoRA the adapter only
             lora.load_model_state(modules["model"], state, lora_rank)

@@ -357,25 +357,29 @@ class TorchLearner:
 
     # -- weights and state -------------------------------------------------------------------
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names (with LoRA: the adapter merged in)."""
+        """Full tensors under HF names (with LoRA: the adapter merged in). Sharded: one
+        all-gather per tensor, every rank in this order (distributed.py drains them)."""
         if self.lora:
-            yield from lora.merged_tensors(self.model)
-            return
-        # Sharded: one all-gather per tensor, every rank in this order (distributed.py drains).
-        yield from fsdp.full_tensors(self.model, self.sync_dtype)
+            return lora.merged_tensors(self.model)
+        return fsdp.full_tensors(self.model, self.sync_dtype)
 
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Only the LoRA adapter (`asyncrl.learner.lora.adapter_tensors`); None without LoRA."""
         return lora.adapter_tensors(self.model) if self.lora else None
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """HF export; with LoRA the merged model plus the PEFT adapter in `path/adapter`."""
+    def save_pretrained(self, path: str | Path | None) -> None:
+        """HF export; with LoRA the merged model plus the PEFT adapter in `path/adapter`.
+        Sharded, every rank calls it (the gathers) and rank 0 writes."""
+        out = path if self.rank == 0 else None
         if self.lora:
-            return lora.save(self.model, path)
-        if fsdp.sharded(self.world_size):  # gathered tensor by tensor; rank 0 writes them
-            fsdp.save_full(self.model, self.weights_for_sync(), path if self.rank == 0 else None)
-            return
-        self.model.save_pretrained(path)
+            fsdp.save_full(self.model.get_base_model(), self.weights_for_sync(), out)
+            adapter = lora.whole_adapter(self.model)  # every rank: the adapter's gathers
+            if out is not None:
+                self.model.save_pretrained(Path(out) / "adapter", state_dict=adapter)
+        elif fsdp.sharded(self.world_size):  # gathered tensor by tensor
+            fsdp.save_full(self.model, self.weights_for_sync(), out)
+        else:
+            self.model.save_pretrained(path)
 
     def pretrained_snapshot(self) -> Callable[[Path], None] | None:
         """The HF export's tensors copied now, written by the returned call (async checkpoint
