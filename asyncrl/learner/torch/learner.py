@@ -12,7 +12,6 @@ version += 1 (every step, so admission opens per version even while the actor wa
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,15 +23,15 @@ from asyncrl.algo.advantages import outcome_token_rewards
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
-from asyncrl.device import torch_dtype
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import lora, packing
 from asyncrl.learner import objective as obj
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
-from asyncrl.learner.reference import ReferenceSpec, frozen, reference_spec
+from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import critic as torch_critic
 from asyncrl.learner.torch import fsdp
+from asyncrl.learner.torch.policy import load_policy, load_reference
 from asyncrl.types import TrajectoryGroup, collate
 
 
@@ -57,7 +56,7 @@ class TorchLearner:
         reference: WorkerConfig | None = None,
         critic: WorkerConfig | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         # Before the model loads: a gae run without a critic fails at once
         obj.check_learner_side(algorithm, critic is not None, world_size)
@@ -69,37 +68,22 @@ class TorchLearner:
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
         self.rank, self.world_size = rank, world_size
-        dtype = torch_dtype(train.model_args.dtype or "fp32")
-        attn = {"attn_implementation": a} if (a := train.model_args.attn_implementation) else {}
-        master = fsdp.master_dtype(dtype, device, world_size)  # fp32 under mixed precision
-        self.sync_dtype = dtype if master != dtype else None  # what the engines receive
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master, **attn)
-        self.model.to(device)
-        if train.model_args.actor_checkpointing():
-            # transformers 5 renamed it; the old name (all that 4.x has) warns there
-            enable = getattr(self.model, "activation_checkpointing_enable", None)
-            (enable or self.model.gradient_checkpointing_enable)()
+        policy = load_policy(model_path, train.model_args, device, world_size)
+        self.model, self.sync_dtype, self.lora = policy.model, policy.sync_dtype, policy.lora
         # Each group's prompt once per micro-batch (`lp.shared_prompt_logits`): the padded path
         # with layers that keep the KV cache (checkpointed ones drop it).
         self.shared = actor.share_prompt_forward and not actor.use_dynamic_bsz
         self.shared &= not train.model_args.actor_checkpointing()
-        self.lora = train.model_args.lora_rank > 0
-        if self.lora:
-            if train.model_args.actor_checkpointing():
-                # Reentrant checkpointing of a frozen base would leave the adapter without
-                # gradients: the embeddings' output must require grad (peft's documented fix).
-                self.model.enable_input_require_grads()
-            self.model = lora.wrap(self.model, train.model_args)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.reference = self._make_reference() if uses_ref else None
+        self.reference = load_reference(self.reference_spec, policy, device) if uses_ref else None
         spec = self.reference_spec
         self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
         # > 1 rank: FSDP2 shards parameters, gradients and optimizer state (and the reference)
         # over the default process group, which must exist (asyncrl.learner.torch.distributed).
         self.train_model: torch.nn.Module = self.model
         if fsdp.sharded(world_size):
-            fsdp.shard_learner(self.model, self.reference, train, device, dtype)
+            fsdp.shard_learner(self.model, self.reference, train, device, policy.dtype)
         maybe_compile(self.model, actor.use_torch_compile)  # after sharding (FSDP2's order)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
@@ -116,22 +100,6 @@ class TorchLearner:
         self.stochastic_forward = lp.has_dropout(self.model)
 
     # -- construction helpers ----------------------------------------------------------------
-    def _make_reference(self) -> torch.nn.Module:
-        """The KL reference policy (see `asyncrl.learner.reference`): the configured model in
-        its dtype (null: the actor's), else a copy of the initial actor; frozen, in eval mode."""
-        spec: ReferenceSpec | None = self.reference_spec
-        if spec is None and self.lora:  # the base never trains: the adapter-off policy is π_0
-            return lora.AdapterOff(self.model)
-        if spec is None:
-            return frozen(copy.deepcopy(self.model))
-        from transformers import AutoModelForCausalLM
-
-        # Every strategy name (fsdp2_train, hf_infer, megatron_infer) scores the same HF model
-        # directory; here it is a transformers model in this process, on the learner's device.
-        dtype = torch_dtype(spec.dtype) if spec.dtype else self.model.dtype
-        ref = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
-        return frozen(ref.to(self.device))
-
     def _lr_lambda(self, total_steps: int):
         return obj.lr_factor(self.train.training_args, self.actor.optim, total_steps)
 
