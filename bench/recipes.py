@@ -19,12 +19,16 @@ Writes bench/results/recipes.json (per recipe and seed: wall time, the stats, pa
 recipes.png (each recipe's first-clause metric against step, one line per seed).
 
     asyncrl bench recipes [--smoke] [--seeds 0 1 2] [--only default agentic_guess_number]
+
+With `--only`, the named recipes are measured again and the others' entries are kept from the
+recorded file, each stamped with when it was measured (`measured`) and the box's load.
 """
 
 from __future__ import annotations
 
 import json
 import operator
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import finish, headline, make_parser, print_table
+from common import finish, headline, make_parser, out_dir, print_table
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 _CLAUSE = re.compile(
@@ -146,7 +150,24 @@ def measure(config: Path, claim: Claim, seeds: list[int], tmp: Path) -> dict[str
                      "curve": {"metric": metric, "steps": steps, "values": values}})  # fmt: skip
     passed = all(c["holds"] for r in runs for c in r["checks"].values())
     return {"config": config.name, "overrides": list(claim.overrides), "passed": passed,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_1m": os.getloadavg()[0],
             "runs": runs}  # fmt: skip
+
+
+def merge_recorded(recipes: list[dict[str, Any]], recorded: Path) -> list[dict[str, Any]]:
+    """`recipes` (a re-measured subset, `--only`) with the other recipes' entries kept from the
+    recorded file, in config order; a kept entry keeps when it was measured (entries from
+    before the per-recipe stamp get the file's `created`)."""
+    if not recorded.exists():
+        return recipes
+    old = json.loads(recorded.read_text())
+    if old.get("smoke"):
+        return recipes
+    kept = {r["config"]: {"measured": old.get("created"), **r} for r in old.get("recipes", [])}
+    kept.update({r["config"]: r for r in recipes})
+    order = [p.name for p in recipe_configs(None)]
+    return sorted(kept.values(), key=lambda r: order.index(r["config"]) if r["config"] in order
+                  else len(order))  # fmt: skip
 
 
 def _plot(recipes: list[dict[str, Any]]):
@@ -182,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         for config in recipe_configs(args.only):
             claim = read_claims(config)["short" if args.smoke else "full"]
             recipes.append(measure(config, claim, seeds, Path(tmp)))
+    if args.only and not args.smoke:  # the other recipes' last measurements stay in the file
+        recipes = merge_recorded(recipes, out_dir(args) / "recipes.json")
     rows = [[rec["config"], run["seed"], run["seconds"], clause, c["value"],
              "ok" if c["holds"] else "FAILED"]
             for rec in recipes for run in rec["runs"] for clause, c in run["checks"].items()]  # fmt: skip

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from recipes import Clause, check_run, parse_clause, read_claims, recipe_configs, run_recipe  # noqa: E402
+from recipes import (  # noqa: E402
+    Clause,
+    check_run,
+    merge_recorded,
+    parse_clause,
+    read_claims,
+    recipe_configs,
+    run_recipe,
+)
 
 SHORT = [p for p in recipe_configs(None) if "short" in read_claims(p)]
 
@@ -59,3 +67,19 @@ def test_the_short_claim_holds(config, tmp_path):
     failed = {k: v["value"] for k, v in checks.items() if not v["holds"]}
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not failed, f"{config.name}: {failed} over {len(rows)} rows"
+
+
+def test_a_partial_measurement_keeps_the_other_recipes_recorded(tmp_path):
+    recorded = tmp_path / "recipes.json"
+    old = [{"config": "lora.yaml", "passed": True, "runs": []},
+           {"config": "default.yaml", "passed": False, "runs": []}]  # fmt: skip
+    recorded.write_text(json.dumps({"smoke": False, "created": "then", "recipes": old}))
+    new = {"config": "lora.yaml", "passed": False, "measured": "now", "runs": []}
+    merged = merge_recorded([new], recorded)
+    assert [(r["config"], r["measured"], r["passed"]) for r in merged] == [
+        ("default.yaml", "then", False),  # kept, in config order, stamped with the file's time
+        ("lora.yaml", "now", False),  # the new measurement replaces the old one
+    ]
+    recorded.write_text(json.dumps({"smoke": True, "created": "then", "recipes": old}))
+    assert merge_recorded([new], recorded) == [new]  # a smoke file's runs are not full claims
+    assert merge_recorded([new], tmp_path / "none.json") == [new]
