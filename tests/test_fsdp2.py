@@ -240,6 +240,21 @@ def test_failed_async_save_keeps_the_previous_checkpoint_and_surfaces(
     [
         (["actor_train.strategy_args.strategy_config.offload_params=true"], "nothing to offload"),
         (["actor_train.strategy_args.strategy_config.offload_optimizer=1"], "true or false"),
+        # the models the learner holds beside the actor take none either
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "critic.strategy_args.strategy_config.offload_params=true",
+            ],
+            "critic.strategy_args.strategy_config.offload_params: .*nothing to offload",
+        ),
+        (
+            [
+                "actor.use_kl_loss=true",
+                "reference.strategy_args.strategy_config.offload_optimizer=true",
+            ],
+            "reference.strategy_args.strategy_config.offload_optimizer: .*nothing to offload",
+        ),
     ],
 )
 def test_config_refuses_what_fsdp2_cannot_honour(overrides, message):

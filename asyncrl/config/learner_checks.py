@@ -127,20 +127,26 @@ def check_fsdp2(cfg: Config) -> None:
     """fsdp2_train with > 1 device shards with FSDP2 (asyncrl.learner.torch.fsdp). Its CPU
     offload keys (FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state
     together) are refused: a run's fsdp2_train learner computes on the CPU, where everything is
-    in host memory already, so they would change nothing."""
-    train = cfg.actor_train
-    if train.strategy_args.strategy_name != "fsdp2_train":
+    in host memory already, so they would change nothing. The same for the models the learner
+    holds beside the actor (the critic, a configured reference): their sections take no offload
+    either."""
+    if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
         return
-    where = "actor_train.strategy_args.strategy_config"
-    for key in FSDP_OFFLOAD:
-        value = train.strategy_args.strategy_config.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
-        if value:
-            raise ConfigError(
-                f"{where}.{key}: the fsdp2_train learner computes on the CPU, where parameters "
-                "and optimizer state are in host memory already (nothing to offload): remove it"
-            )
+    for section in ("actor_train", "critic", "reference"):
+        worker = getattr(cfg, section, None)
+        if worker is None:
+            continue
+        where = f"{section}.strategy_args.strategy_config"
+        for key in FSDP_OFFLOAD:
+            value = worker.strategy_args.strategy_config.get(key)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
+            if value:
+                raise ConfigError(
+                    f"{where}.{key}: the fsdp2_train learner computes on the CPU, where "
+                    "parameters and optimizer state are in host memory already (nothing to "
+                    "offload): remove it"
+                )
 
 
 LORA_FIELDS = (
