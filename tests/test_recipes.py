@@ -33,6 +33,7 @@ def test_every_recipe_with_a_claim_has_a_short_one_and_parses():
         "ppo_gae",
         "agentic_guess_number",
         "agentic_math_tool",
+        "agentic_frozenlake",
     }
     for path in recipe_configs(None):
         claims = read_claims(path)
