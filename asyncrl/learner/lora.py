@@ -102,10 +102,12 @@ def adapter_tensors(peft_model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
 
 
 @torch.no_grad()
-def merged_tensors(peft_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(
+    peft_model: Any, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The full model under HF names, each adapted weight merged: W0 + scaling·B·A, computed in
-    fp32 and stored in the base's dtype (peft's `get_delta_weight` for a plain linear layer,
-    the only kind `wrap` admits). Sharded, every rank must iterate it to the end."""
+    fp32 and stored in the base's dtype, or `dtype` (peft's `get_delta_weight` for a plain
+    linear layer, the only kind `wrap` admits). Sharded, every rank must iterate it to the end."""
     layers = dict(lora_layers(peft_model))
     for name, tensor in peft_model.get_base_model().state_dict().items():
         if ".lora_" in name:
@@ -117,7 +119,7 @@ def merged_tensors(peft_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if layer is not None and leaf == "weight":
             a, b = _factors(layer)
             tensor = (tensor.float() + b.float() @ a.float()).to(tensor.dtype)
-        yield name, tensor
+        yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 class AdapterOff(torch.nn.Module):

@@ -64,8 +64,8 @@ class _RemoteRank:
         if what == "export":
             self.learner.save_pretrained(None)  # not rank 0: gathers, writes nothing
             return
-        tensors = self.learner.adapter_for_sync() if what == "adapter" else None
-        fsdp.drain(tensors or self.learner.weights_for_sync())
+        learner = self.learner
+        fsdp.drain(learner.adapter_for_sync() if what == "adapter" else learner.weights_for_sync())
 
     def save_sharded(self, path: str, background: bool, optimizer: bool) -> None:
         """This rank's shards into the DCP directory `path` (with rank 0's); `background`:

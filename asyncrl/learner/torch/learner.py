@@ -328,7 +328,7 @@ class TorchLearner:
         """Full tensors under HF names (with LoRA: the adapter merged in). Sharded: one
         all-gather per tensor, every rank in this order (distributed.py drains them)."""
         if self.lora:
-            return lora.merged_tensors(self.model)
+            return lora.merged_tensors(self.model, self.sync_dtype)
         return fsdp.full_tensors(self.model, self.sync_dtype)
 
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
