@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asyncrl.checkpoint import Checkpointer
-from asyncrl.learner.torch.distributed import DistributedTorchLearner
+from tests.test_fsdp2 import _distributed
 from tests.test_lora_learner import _learner
 from tests.test_torch_learner import _groups
 
@@ -18,13 +18,6 @@ SETTINGS = [
     "actor.use_kl_loss=true",  # reference: null -> the policy with its adapter off
     "actor.kl_loss_coef=0.5",
 ]
-
-
-def _distributed(model_dir, single) -> DistributedTorchLearner:
-    return DistributedTorchLearner(
-        2, model_path=model_dir, train=single.train, actor=single.actor,
-        algorithm=single.algorithm, temperature=0.7, total_steps=10,
-    )  # fmt: skip
 
 
 def _close(got, want: dict[str, torch.Tensor]) -> None:

@@ -35,21 +35,30 @@ def _rank(meet: Rendezvous, rank: int, world: int, out) -> None:
         out.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def test_two_ranks_meet_through_the_sealed_store_and_all_reduce():
-    meet = Rendezvous("127.0.0.1", free_port("127.0.0.1"), secrets.token_bytes(32))
+def _two_ranks(target, *args) -> dict[int, object]:
+    """`target(*args, rank, out)` in 2 spawned processes; what each put, by rank (a deadline on
+    every wait, stragglers killed)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(meet, r, 2, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=target, args=(*args, r, out)) for r in (0, 1)]
     try:
-        got = dict(out.get(timeout=DEADLINE_S) for _ in procs)
+        for p in procs:
+            p.start()
+        return dict(out.get(timeout=DEADLINE_S) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert got == {0: 6.0, 1: 6.0}
+
+
+def _rank_of_two(meet: Rendezvous, rank: int, out) -> None:
+    _rank(meet, rank, 2, out)
+
+
+def test_two_ranks_meet_through_the_sealed_store_and_all_reduce():
+    meet = Rendezvous("127.0.0.1", free_port("127.0.0.1"), secrets.token_bytes(32))
+    assert _two_ranks(_rank_of_two, meet) == {0: 6.0, 1: 6.0}
 
 
 def test_a_value_written_without_the_secret_fails_in_one_line():
@@ -114,20 +123,10 @@ def test_megatron_ranks_meet_in_the_private_file_store_and_a_lone_rank_needs_no_
     from asyncrl.learner.megatron.build import init_distributed
 
     meet, private = RankPlacement().rendezvous()  # what MegatronLearner uses on one host
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_megatron_rank, args=(meet, r, out)) for r in (0, 1)]
     try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=DEADLINE_S) for _ in procs)
+        assert _two_ranks(_megatron_rank, meet) == {0: 3.0, 1: 3.0}
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         RankPlacement.cleanup(private)
-    assert got == {0: 3.0, 1: 3.0}
     with pytest.raises(ValueError, match="rank 1 of 2: a multi-rank learner needs a rendezvous"):
         init_distributed(SPECS["cpu"], 1, 2, None, 0)
     init_distributed(SPECS["cpu"], 0, 1, None, 0)  # an in-memory store: nothing to join
