@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import ModelArgs
+from asyncrl.learner.torch.fsdp import local_value  # a DTensor's full value: a collective
 from asyncrl.weights.buckets import LORA_A, LORA_B
 
 ADAPTER = "default"  # peft's adapter name: the policy has exactly one
@@ -77,17 +78,10 @@ def lora_layers(peft_model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
             yield hf_name(name), module
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full value of a tensor: a DTensor shard (FSDP2) is all-gathered, a collective that
-    every rank runs in the same order; a plain tensor is itself."""
-    full = getattr(tensor, "full_tensor", None)
-    return full() if full is not None else tensor
-
-
 def _factors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, scaling·B) of one adapted layer, whole (gathered from the shards when sharded)."""
-    a = _whole(layer.lora_A[ADAPTER].weight.detach())
-    b = _whole(layer.lora_B[ADAPTER].weight.detach())
+    a = local_value(layer.lora_A[ADAPTER].weight.detach())
+    b = local_value(layer.lora_B[ADAPTER].weight.detach())
     return a, b * layer.scaling[ADAPTER]
 
 
@@ -113,7 +107,7 @@ def merged_tensors(
         if ".lora_" in name:
             continue
         name = hf_name(name)
-        tensor = _whole(tensor.detach())
+        tensor = local_value(tensor.detach())
         module, _, leaf = name.rpartition(".")
         layer = layers.get(module)
         if layer is not None and leaf == "weight":
@@ -192,5 +186,5 @@ def under_model_names(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[s
 def whole_adapter(peft_model: Any) -> dict[str, torch.Tensor]:
     """The adapter's parameters under the model's own names, whole and on the CPU (sharded:
     gathered, every rank must call it): what `PeftModel.save_pretrained(state_dict=…)` reads."""
-    return {k: _whole(v.detach()).to("cpu", copy=True)
+    return {k: local_value(v.detach()).to("cpu", copy=True)
             for k, v in peft_model.state_dict().items() if ".lora_" in k}  # fmt: skip
