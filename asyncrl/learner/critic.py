@@ -36,9 +36,9 @@ import torch
 
 from asyncrl.algo.agg import agg_loss, masked_mean, masked_sum
 from asyncrl.learner import packing
+from asyncrl.learner.dtensor import local_value as _full
 from asyncrl.learner.reference import vocab_size
 from asyncrl.learner.torch.fsdp import gather_rows as _gather_rows
-from asyncrl.learner.torch.fsdp import local_value as _full
 from asyncrl.learner.torch.fsdp import set_gradient_sync as _set_gradient_sync
 
 Batch = dict[str, torch.Tensor]

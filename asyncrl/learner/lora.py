@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import ModelArgs
-from asyncrl.learner.torch.fsdp import local_value  # a DTensor's full value: a collective
+from asyncrl.learner.dtensor import local_value  # a DTensor's full value: a collective
 from asyncrl.weights.buckets import LORA_A, LORA_B
 
 ADAPTER = "default"  # peft's adapter name: the policy has exactly one

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.learner.dtensor import local_value
+
 # The DCP directory inside a checkpoint that holds the sharded model and optimizer.
 SHARDED_DIR = "learner"
 
@@ -104,12 +106,6 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     setter = getattr(model, "set_requires_gradient_sync", None)
     if setter is not None:
         setter(enabled)
-
-
-def local_value(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: the full value of a DTensor (a collective), else the tensor itself."""
-    full = getattr(value, "full_tensor", None)
-    return full() if full is not None else value
 
 
 def full_tensors(
