@@ -202,7 +202,9 @@ def start_rollout(
     # (they need the engines' URLs, not the engines); then the learner's weights on each.
     shares = budget.engines if budget is not None else ()
     pool = fleet.start(learner, meanwhile=start_workers, threads=shares)
-    dispatcher = Dispatcher(pool, queue, prompts.next_item, ro.max_inflight_prompts)
+    dispatcher = Dispatcher(
+        pool, queue, prompts.next_item, ro.max_inflight_prompts, lambda: fleet.synced_version
+    )
     _stop_later(stack, dispatcher.start().stop)  # thread: prompts → rollout workers
     limits = GroupLimits(model_vocab_size(model_dir), lambda: learner.version)
     pump = GroupPump(receiver, queue, limits)

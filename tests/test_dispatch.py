@@ -306,3 +306,23 @@ def test_a_gate_closing_while_prompts_are_drawn_loses_none_of_them():
     assert not mover.is_alive() and replay.version == 1
     assert drawn and set(drawn) <= set(ledger(replay)[0])  # every drawn prompt is pending
     assert replay.capacity() == 0  # and now the gate holds: "long" is still in flight
+
+
+def test_prompts_carry_the_engines_synced_version_when_handed_out():
+    """Each prompt is stamped, when it is handed out (a re-issue too), with the version of the
+    engines' last completed sync, so a worker's first request after a sync uses that version's
+    prefix-cache namespace (`EngineClient.saw_version`)."""
+    replay = ReplayQueue(ReplayConfig(max_staleness=3, rollout_batch_size=4))
+    next_prompt, _ = prompts()
+    pool, synced = FakePool(1), {"v": None}
+    dispatcher = Dispatcher(pool, replay, next_prompt, 2, lambda: synced["v"])
+    dispatcher.dispatch_once()
+    assert [it.engine_version for _, its in pool.started() for it in its] == [None, None]
+    synced["v"] = 3
+    pool.finish(0, RuntimeError("killed"))
+    dispatcher.reap(timeout=1)
+    dispatcher.dispatch_once()  # the re-issues, stamped anew
+    ((_, items),) = pool.started()
+    assert [(it.key, it.engine_version, it.metadata) for it in items] == [
+        ("p0", 3, {"n": 1}), ("p1", 3, {"n": 2})
+    ]  # fmt: skip

@@ -51,9 +51,12 @@ class ScriptedEngine:
 
     def __init__(self, statuses: list[int]) -> None:
         self.statuses, self.calls = list(statuses), []
+        self.extra_keys: list[object] = []  # each call's prefix-cache namespace(s)
 
     async def generate(self, request: web.Request) -> web.Response:
         self.calls.append(time.monotonic())
+        body = await request.json()
+        self.extra_keys.append(body.get("extra_key"))
         status = self.statuses.pop(0) if self.statuses else 200
         if status >= 400:
             body = {"object": "error", "message": LONG_4XX, "code": status}  # as SGLang's
@@ -62,7 +65,7 @@ class ScriptedEngine:
         meta = {"id": "r", "finish_reason": {"type": "stop"}, "prompt_tokens": 3,
                 "weight_version": "0", "output_token_logprobs": [[-0.2, 22, None]]}  # fmt: skip
         one = {"text": "2", "output_ids": ids, "meta_info": meta}
-        prompts = (await request.json())["input_ids"]
+        prompts = body["input_ids"]
         return web.json_response([one] * len(prompts) if isinstance(prompts[0], list) else one)
 
 
@@ -126,6 +129,14 @@ def test_a_busy_engine_is_retried_with_backoff_then_the_group_arrives(tok_dir):
     assert [g.group_id for g in groups] == ["e0-i0"] and groups[0].rewards.tolist() == [1.0, 1.0]
     assert len(engine.calls) == 2  # try 1: 503, try 2: 200 (each: one batch of n=2 samples)
     assert engine.calls[1] - engine.calls[0] >= 0.1  # it waited (backoff 0.2 s, jitter 0.5-1)
+
+
+def test_a_prompt_stamped_with_the_synced_version_uses_its_cache_namespace(tok_dir):
+    """The dispatcher's stamp (`PromptItem.engine_version`) reaches the worker's engine client
+    before its first request: no request after a sync uses the old version's namespace."""
+    stamped = PromptItem("e0-i0", [15, 10, 17], "1+1=", {"answer": "2"}, engine_version=7)
+    result, engine, _ = run_one(tok_dir, [], stamped)
+    assert result.ok and engine.extra_keys == [["asyncrl-w7", "asyncrl-w7"]]  # a batch of n=2
 
 
 def test_a_retriable_error_gives_up_after_the_cap_and_is_reissued(tok_dir):

@@ -153,29 +153,36 @@ def test_retract_where_the_idle_check_counts_the_waiting_queue_does_not_wait_for
         handle.stop()
 
 
-def test_every_generate_carries_the_cache_namespace_of_the_version_seen(tmp_path):
-    """`extra_key` names the newest weight version the client has seen the engine report."""
+def test_every_generate_carries_the_cache_namespace_of_the_version_synced(tmp_path):
+    """`extra_key` names the newest weight version the client knows the engine holds: the
+    syncing client from its own sync, another client (a rollout worker's) from the version the
+    dispatcher stamps on the prompt — never first from a reply, one request too late."""
     handle = start_fake(tmp_path, "0.5.23", delay=0.0)
 
     async def go():
-        async with EngineClient(handle.url) as client:
+        async with EngineClient(handle.url) as client, EngineClient(handle.url) as worker:
             sender = WeightSender(group_name="ns", timeout_s=30)
             await sender.init_group([client], backend="gloo")
             req = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
             await client.generate_one(req)
+            await worker.generate_one(req)
             await sender.sync([("w", torch.ones(2))], 4, load_format=None, pause_mode="in_place")
-            await client.generate_one(req)  # still the old namespace: v4 not yet seen
-            await client.generate_one(req)
+            await client.generate_one(req)  # the syncing client: v4 from its own sync
+            worker.saw_version(4)  # the stamp a prompt handed out after the sync carries
+            await worker.generate_one(req)
+            worker.saw_version(None)  # a prompt from before any sync: nothing known, no change
+            worker.saw_version(2)  # an older stamp never lowers it
+            await worker.generate_one(req)
             await sender.close()
 
     try:
         asyncio.run(go())
         got = state(handle.url)
         keys = [b["extra_key"] for p, b in got["calls"] if p == "/generate"]
-        assert keys == ["asyncrl-w0", "asyncrl-w0", "asyncrl-w4"]
-        # the prompt's KV cached under version 0 is never served once v4 is known (no flush:
-        # in_place); the one request between the sync and the first v4 reply still matches it
-        assert got["cached"] == [0, 2, 0] and got["flushes"] == 0
+        assert keys == ["asyncrl-w0", "asyncrl-w0", "asyncrl-w4", "asyncrl-w4", "asyncrl-w4"]
+        # the prompt's KV cached under version 0 is never served after the sync (no flush:
+        # in_place); under v4 it is cached anew and reused
+        assert got["cached"] == [0, 2, 0, 2, 2] and got["flushes"] == 0
     finally:
         handle.stop()
 

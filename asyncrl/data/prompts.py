@@ -29,12 +29,15 @@ class PromptItem:
     """One prompt handed to a rollout worker; `key` is unique over the run and becomes the group
     id. `metadata` is the prompt row's other fields, as the reward function sees them (the
     group carries them under `metadata["data"]`). Env runs carry `metadata["env_seed"]` and no
-    ids (the episode builder templates them)."""
+    ids (the episode builder templates them). `engine_version`: the weight version every
+    engine held when the prompt was handed out (None: not known), so its requests use that
+    version's prefix-cache namespace even before an engine's reply shows it."""
 
     key: str
     prompt_ids: list[int]
     prompt_text: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    engine_version: int | None = None
 
 
 def _records(source: str, rows: list[dict[str, Any]]) -> list[PromptRecord]:

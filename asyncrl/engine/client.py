@@ -8,8 +8,9 @@ Weight updates follow the engine's reported version (`engine/versions.py`): `pre
 pauses, waits until a flush is accepted where the pause mode empties the engine, and opens a
 weight-update session where one is required; `finish_update` closes it, sets the version where
 the bucket's own is lost, and continues. Every generate request carries a prefix-cache
-namespace (SGLang's `extra_key`) named after the newest weight version this client has seen
-the engine report, so KV computed under old weights is never matched by requests of a new one.
+namespace (SGLang's `extra_key`) named after the newest weight version this client knows the
+engine holds (from its replies, the sync it made, or the version the dispatcher stamped on the
+prompt), so KV computed under old weights is never matched by requests of a new one.
 
 SGLang's native LoRA (`lora_sync: native`, `weights/lora_native.py`; a client made with
 `lora=True`): each /generate names by `lora_path` the adapter `asyncrl-v{N}` of the newest
@@ -200,8 +201,7 @@ class EngineClient:
 
     def _completion(self, data: object, req: GenerateRequest, lora: int | None) -> Completion:
         completion = parse_completion(self.url, data, req.return_logprob)
-        if completion.version is not None:
-            self.seen_version = max(self.seen_version or 0, completion.version)
+        self.saw_version(completion.version)
         if lora is not None:  # every token was sampled by the adapter the request named
             completion = replace(completion, weight_version=str(lora), output_token_versions=None)
         return completion
@@ -267,8 +267,16 @@ class EngineClient:
             await self.end_weight_update()
         if profile.explicit_version:
             await self.update_weight_version(version)
+        self.saw_version(version)  # this client's next request starts under it: its namespace
         if pause_mode:
             await self.resume()
+
+    def saw_version(self, version: int | None) -> None:
+        """The engine holds weight `version` (or a newer one): requests from now on use its
+        cache namespace. Told by whoever knows, before a reply shows it: the syncing client,
+        and rollout workers from the version stamped on each prompt (`PromptItem`)."""
+        if version is not None:
+            self.seen_version = max(self.seen_version or 0, version)
 
     async def _flush_when_idle(self, timeout_s: float) -> None:
         """Poll /flush_cache until accepted (slime's way): an abort/retract pause returns before

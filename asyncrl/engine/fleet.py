@@ -188,6 +188,9 @@ class EngineFleet:
         self.clients: list[EngineClient] = []
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
+        # The version of the last sync every engine completed (None: none yet); read by the
+        # dispatcher's thread, which stamps it on the prompts it hands out.
+        self.synced_version: int | None = None
         self.backend = "gloo"  # of the weight-update group; resolved by `_init_group`
         self.multinode = cluster is not None and bool(cluster.address.strip())
         self.launcher = make_launcher(
@@ -356,6 +359,7 @@ class EngineFleet:
             )
         stats = self.runner.run(job, timeout=self.ws.timeout_s * 4)
         self.counters["syncs"] += 1
+        self.synced_version = source.version
         self.last_sync = {
             "sync/seconds": stats.seconds,
             "sync/gb_per_s": stats.gb_per_s,

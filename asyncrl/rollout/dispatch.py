@@ -48,8 +48,12 @@ class Dispatcher:
         queue: ReplayQueue,
         next_prompt: Callable[[], PromptItem],
         max_inflight_per_worker: int,
+        engine_version: Callable[[], int | None] = lambda: None,
     ) -> None:
+        """`engine_version`: the weight version of the engines' last completed sync, stamped
+        on every prompt handed out (`PromptItem.engine_version`)."""
         self.pool, self.next_prompt = pool, next_prompt
+        self.engine_version = engine_version
         self.admission = queue.admission
         self.max_inflight = max_inflight_per_worker
         self.handles: dict[Any, list[str]] = {}  # submission handle -> its prompt keys
@@ -101,7 +105,8 @@ class Dispatcher:
             if free <= 0:
                 continue
             self._admit_fresh(free - self.admission.pending())
-            items = [PromptItem(**p) for p in self.admission.issue(worker, free)]
+            stamp = {"engine_version": self.engine_version()}
+            items = [PromptItem(**{**p, **stamp}) for p in self.admission.issue(worker, free)]
             if not items:
                 break  # nothing pending, no capacity: the next workers would get nothing too
             handle = self.pool.submit(worker, items)

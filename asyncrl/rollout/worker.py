@@ -98,6 +98,8 @@ class RolloutWorker:
 
     async def _one_prompt(self, item: PromptItem) -> PromptResult:
         loop = asyncio.get_running_loop()
+        for client in self.builder.clients:  # no request after a sync uses an older namespace
+            client.saw_version(item.engine_version)
         try:
             group = await self._with_retries(lambda: self.builder.build(item))
             # Only the send is repeated when the transport is full: the group is kept.
