@@ -26,22 +26,24 @@ import msgspec
 import numpy as np
 
 from asyncrl.transport.codec import (
-    _GROUP_ARRAYS,
     GROUP_KIND,
-    MAX_FRAMES,
-    MAX_MESSAGE_BYTES,
     SCHEMA_VERSION,
-    DecodeError,
-    EncodeError,
-    _ArraySpec,
     _decode_group_views,
-    _import_group_arrays,
     _parse_header,
     _plain_problem,
     _refuse_ext,
     _seal,
-    _views,
     encode_group,
+)
+from asyncrl.transport.frames import (
+    GROUP_ARRAYS,
+    MAX_FRAMES,
+    MAX_MESSAGE_BYTES,
+    ArraySpec,
+    DecodeError,
+    EncodeError,
+    frame_views,
+    import_group_arrays,
 )
 from asyncrl.types import RecordError, TrajectoryGroup
 
@@ -68,7 +70,7 @@ class _BatchFields(msgspec.Struct, forbid_unknown_fields=True):
 class _BatchHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     schema: int
     kind: str
-    arrays: dict[str, _ArraySpec]
+    arrays: dict[str, ArraySpec]
     fields: _BatchFields
 
 
@@ -96,7 +98,7 @@ def encode_batch(
     with_adv = {g.advantages is not None for g in groups}
     if len(with_adv) != 1:
         raise EncodeError("a batch's groups must all carry advantages or none")
-    names = [n for n in _GROUP_ARRAYS if n != "advantages" or with_adv == {True}]
+    names = [n for n in GROUP_ARRAYS if n != "advantages" or with_adv == {True}]
     for g in groups:  # what the record's own validation does not already guarantee
         if not isinstance(g.group_id, str) or not all(type(r) is str for r in g.finish_reasons):
             raise EncodeError("group_id and finish_reasons must be str")
@@ -106,7 +108,7 @@ def encode_batch(
     specs: dict[str, list[Any]] = {}
     for name in names:
         flat = np.concatenate([getattr(g, name) for g in groups])
-        specs[name] = ["numpy", _GROUP_ARRAYS[name][1], [len(flat)], len(frames)]
+        specs[name] = ["numpy", GROUP_ARRAYS[name][1], [len(flat)], len(frames)]
         frames.append(flat.view(np.uint8))
     fields = {
         "group_ids": [g.group_id for g in groups],
@@ -162,7 +164,7 @@ def decode_groups(
 ) -> list[TrajectoryGroup]:
     """The groups of a `trajectory_group` or `trajectory_batch` message, every one validated
     as `decode_group` validates one, or one DecodeError for the whole message."""
-    views = _views(frames, max_bytes, max_frames)
+    views = frame_views(frames, max_bytes, max_frames)
     try:
         head = _KIND_DECODER.decode(views[0])
     except (ValueError, RecursionError):  # the full decoders name the problem exactly
@@ -179,7 +181,7 @@ def decode_groups(
     for meta in f.metadata:
         if problem := _plain_problem(meta, "metadata", 1):
             raise DecodeError(problem)
-    arrays = _import_group_arrays(header.arrays, views)
+    arrays = import_group_arrays(header.arrays, views)
     bounds = _bounds(f, arrays)
     _check_values(f, arrays, bounds)
     return _split(f, arrays, bounds)
