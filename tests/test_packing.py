@@ -107,7 +107,7 @@ def _rank_counts(rank: int, world: int, init: str, out: str, model_dir: str) -> 
     counts = forwards(sharded)
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump({"parts": parts, "forwards": counts, "plain": plain}, f)
-    torch.distributed.destroy_process_group()
+    _leave_group()
 
 
 def test_every_rank_gets_the_same_number_of_micro_batches_and_forwards(tmp_path, tiny_model):
@@ -154,6 +154,14 @@ def _rank_steps(rank: int, init: str, out: str, model_dir: str, overrides: list[
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     if rank == 0:
         torch.save({"losses": losses, "weights": full}, os.path.join(out, "rank0.pt"))
+    _leave_group()
+
+
+def _leave_group() -> None:
+    """Both ranks done with every collective before either tears its group down: a rank that
+    left while its peer still wrote its results once died of SIGABRT in gloo's teardown
+    ("terminate called without an active exception", a clean-clone CI run)."""
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
