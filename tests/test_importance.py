@@ -120,6 +120,10 @@ def test_weights_match_reference_for_every_level_mode_veto(level, mode, veto):
     assert weights.dtype == torch.float32 and not weights.requires_grad
     assert set(metrics) == {f"mismatch/{name}" for name in SEED_METRICS}
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+    # a micro-batch's call (the learner reports the metrics from the batch's): the same weights
+    settings = RolloutIS(threshold=2.0, level=level, mode=mode, veto_threshold=veto)
+    alone = compute_rollout_importance_weights(*_tensors(LR, MASK), settings, metrics=False)
+    assert torch.equal(alone[0], weights) and alone[1] == {}
 
 
 @pytest.mark.parametrize("level", ["sequence", "geometric"])

@@ -219,13 +219,15 @@ def compute_rollout_importance_weights(
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     settings: RolloutIS,
+    metrics: bool = True,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Rollout IS weights [batch, seq_len] (detached) and `mismatch/` metrics; see the module doc.
 
     `settings.threshold` None returns (None, {}); `settings.apply` is not read here (see
     `apply_rollout_is`). Nonzero `response_mask` entries are valid. Weights come back in
     float32 (float64 if the log-probs are float64). The weights are built on the padded matrix;
-    every metric runs on the valid tokens, compacted once.
+    every metric runs on the valid tokens, compacted once. `metrics` False: the weights alone
+    (the same ones) and no metrics — for a caller that reports them from another call.
     """
     if not settings.enabled:
         return None, {}
@@ -244,6 +246,8 @@ def compute_rollout_importance_weights(
         keep = valid & ~vetoed.unsqueeze(-1)
         bounded = _bound_weights(raw, mode, lower, upper)  # broadcast here if [B, 1]
         weights = torch.where(keep, bounded, torch.zeros((), dtype=raw.dtype, device=raw.device))
+        if not metrics:
+            return weights.detach(), {}
         log_s, raw_s, seq_w = _samples(lr, log_w, raw, tokens, level)
         stats = {
             **mm.weight_distribution(raw_s),

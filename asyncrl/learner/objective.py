@@ -83,12 +83,16 @@ def make_optimizer(
     `actor.optim.lr`/`weight_decay` with ROLL's keys (one rule, `config/verl_actor.py`)."""
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=targs.learning_rate, weight_decay=targs.weight_decay)
+    # Fused (one kernel over every tensor) where torch has it: on the embedded model's ~26
+    # small tensors the per-tensor loop costs 4x the update itself (1.7 vs 0.4 ms on the CPU).
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         params,
         lr=targs.learning_rate,
         weight_decay=targs.weight_decay,
         betas=tuple(optim.betas),
         eps=optim.eps,
+        fused=fused or None,
     )
 
 
@@ -294,6 +298,7 @@ def correct(
     mask: torch.Tensor,
     lags: torch.Tensor | None = None,
     all_ranks: bool = False,
+    metrics: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """Rollout IS weights, the rejection-filtered loss mask and the mismatch metrics.
 
@@ -304,21 +309,23 @@ def correct(
     over the rows rejection sampling keeps, whether or not the loss applies them (metrics-only
     IS, a loss that reweighs itself); batch normalisation, one scale, leaves an ESS unchanged.
     `all_ranks`: see `lag_metrics` (a collective: every rank must pass lags at that call).
+    `metrics` False: no IS metrics (the same weights and mask), for a micro-batch whose batch
+    reports them from its own call.
     """
-    weights, metrics = compute_rollout_importance_weights(old, rollout, mask, rollout_is)
+    weights, out = compute_rollout_importance_weights(old, rollout, mask, rollout_is, metrics)
     if alg.rollout_rs:
         criteria = [(c.name, c.lower, c.upper) for c in alg.rollout_rs]
         mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
-        metrics.update(rs_metrics)
+        out.update(rs_metrics if metrics else {})
     if weights is not None and lags is not None:
-        metrics.update(lag_metrics(weights, mask, lags, rollout_is.level, all_ranks))
+        out.update(lag_metrics(weights, mask, lags, rollout_is.level, all_ranks))
     if not rollout_is.apply:  # metrics only (verl's `rollout_is: false`)
         weights = None
     if weights is not None and alg.rollout_is_batch_normalize:
         weights = normalize_weights_to_batch_mean(weights, mask, alg.rollout_is_level)
     if loss_mode in LOSSES_NEEDING_BEHAV:
         weights = None
-    return weights, mask, metrics
+    return weights, mask, out
 
 
 def objective(

@@ -168,15 +168,16 @@ class TorchLearner:
         rollout: torch.Tensor,
         data: dict[str, torch.Tensor],
         lags: bool = False,
+        metrics: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
         """`correct` (IS weights, rejection-filtered mask, mismatch metrics) of these rows.
         `lags`: with the IS weights' ESS by staleness (`is/ess_by_lag/<k>`) — only on the
         step's whole-batch (or, sharded, whole-shard) call: with several ranks it is a
-        collective every rank makes."""
+        collective every rank makes. `metrics` False: the weights alone (a micro-batch's)."""
         loss_mode, mask = self.actor.policy_loss.loss_mode, data["response_mask"]
         by_lag = obj.sequence_lags(data["versions"], self.version) if lags else None
         return obj.correct(self.algorithm, self.rollout_is, loss_mode, old, rollout, mask,
-                           by_lag, all_ranks=self.world_size > 1)  # fmt: skip
+                           by_lag, all_ranks=self.world_size > 1, metrics=metrics)  # fmt: skip
 
     @torch.no_grad()
     def _prepare(
@@ -316,7 +317,9 @@ class TorchLearner:
         rows.update(mask=mask, advantages=micro["advantages"])
         if prep["prox"] is not None:  # one optimizer step: this forward IS the proximal policy
             rows["old"] = prep["prox"][idx] = logp.detach()
-            rows["weights"] = self._correct(rows["old"], micro["rollout_logprobs"], micro)[0]
+            # metrics: the step's whole-batch call reports them, from every micro-batch's prox
+            old, behav = rows["old"], micro["rollout_logprobs"]
+            rows["weights"] = self._correct(old, behav, micro, metrics=False)[0]
         rows["rollout_logprobs"] = micro["rollout_logprobs"]
         loss, metrics = obj.objective(actor, self.loss_fn, self.loss_params, logp, entropy, rows)
         # Aggregate over the whole mini-batch, not per micro-batch (see common.micro_share).
