@@ -86,8 +86,10 @@ class TrainingArgs:
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay (verl: `actor.optim.weight_decay`, same rule as
     learning_rate)."""
-    per_device_train_batch_size: int = 16
-    """Sequences per device per micro-batch (large models on GPUs: 1-4). verl's
+    per_device_train_batch_size: int = 64
+    """Sequences per device per micro-batch (large models on GPUs: 1-4; the default suits the
+    embedded CPU model: its whole 8 x 8 batch in one micro-batch, as each extra micro-batch
+    costs a forward+backward's fixed overhead). verl's
     `actor.ppo_micro_batch_size_per_gpu` sets the same value (actor_train; same rule as
     learning_rate)."""
     gradient_accumulation_steps: int | None = None
