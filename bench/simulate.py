@@ -111,6 +111,9 @@ class SimPool:
         self.loop.call_soon_threadsafe(self.loop.create_task, coro)
         return handle
 
+    def wake(self) -> None:
+        self.done.put(None)  # ends a poll's wait; not a result
+
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult]]]:
         try:
             out = [self.done.get(timeout=timeout)]
@@ -120,7 +123,7 @@ class SimPool:
             try:
                 out.append(self.done.get_nowait())
             except queue.Empty:
-                return out
+                return [x for x in out if x is not None]
 
     async def _run(self, actor: int, handle: int, items: list[PromptItem], version: int):
         results = await asyncio.gather(*(self._one(actor, it, version) for it in items))

@@ -58,6 +58,9 @@ class FakePool:
             outcome = [PromptResult(it.key, ok=True) for it in items]
         self._done.put((worker, handle, outcome))
 
+    def wake(self) -> None:
+        self._done.put(None)  # ends a poll's wait; not a result
+
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
         out = []
         try:
@@ -65,7 +68,7 @@ class FakePool:
             while True:
                 out.append(self._done.get_nowait())
         except stdqueue.Empty:
-            return out
+            return [x for x in out if x is not None]
 
 
 def group_for(key: str, version: int) -> TrajectoryGroup:
@@ -326,3 +329,33 @@ def test_prompts_carry_the_engines_synced_version_when_handed_out():
     assert [(it.key, it.engine_version, it.metadata) for it in items] == [
         ("p0", 3, {"n": 1}), ("p1", 3, {"n": 2})
     ]  # fmt: skip
+
+
+def test_a_new_version_hands_out_prompts_at_once_not_at_the_polls_end():
+    """The learner's new version opens capacity; the dispatcher, blocked in a long poll, is
+    woken (`WorkerPool.wake`, via `Admission.on_version`) and hands the prompts out at once."""
+    replay = ReplayQueue(ReplayConfig(max_staleness=0, rollout_batch_size=2))
+    next_prompt, _ = prompts()
+    pool = FakePool(1)
+    dispatcher = Dispatcher(pool, replay, next_prompt, max_inflight_per_worker=4)
+    dispatcher.poll_s = 600.0  # only a wake can end a poll within the test's deadline
+    with dispatcher:
+        _wait_until(lambda: len(pool.submissions) == 1)  # version 0's batch: 2 prompts
+        ((handle, items),) = pool.started()
+        for it in items:
+            replay.put(group_for(it.key, 0))
+        pool.finish(handle)  # ends the poll; then the loop blocks in the next 600 s one
+        _wait_until(lambda: not dispatcher.handles)
+        assert replay.take(2, 0) is not None and replay.capacity() == 0
+        replay.set_version(1)  # capacity for version 1's batch, while the dispatcher polls
+        _wait_until(lambda: len(pool.submissions) == 2)
+    assert pool.submissions[1] == (0, ["p2", "p3"])
+    assert pool.wake not in replay.admission.on_version  # a stopped dispatcher unhooks
+
+
+def _wait_until(ready, deadline_s: float = 30.0) -> None:
+    """Poll `ready()` to a deadline (the dispatcher thread gives no event to wait on)."""
+    deadline = time.monotonic() + deadline_s
+    while not ready():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.005)

@@ -10,6 +10,9 @@ the dispatcher, the pool of workers are made up."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -117,6 +120,29 @@ def run_one(tok_dir, statuses: list[int], item: PromptItem, **rollout: Any):
         if result.ok:
             groups.append(receiver.get(timeout_s=30))
     return result, engine, groups
+
+
+@contextlib.contextmanager
+def _serving(handler):
+    """A /generate answered by `handler` on a loop of its own thread; yields its port."""
+    loop, port = asyncio.new_event_loop(), free_port()
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app)
+
+    async def start() -> None:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield port
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
 
 
 def item(**metadata: Any) -> PromptItem:
@@ -259,10 +285,7 @@ def test_a_worker_that_keeps_dying_fails_the_run_instead_of_respawning_forever()
 
         def __init__(self) -> None:
             self.refs, self.generation, self.deaths, self.replaced = {}, [0], [0], 0
-            self._ray = self
-
-        def wait(self, refs, num_returns, timeout):
-            return list(refs), []
+            self._ray, self._woken = self, cf.Future()
 
         def get(self, ref):
             raise RuntimeError(f"actor died ({ref})")
@@ -274,8 +297,44 @@ def test_a_worker_that_keeps_dying_fails_the_run_instead_of_respawning_forever()
     pool = DyingPool()
     outcomes = []
     for attempt in range(ray_pool.MAX_CONSECUTIVE_DEATHS):
-        pool.refs[f"ref{attempt}"] = (0, pool.generation[0])
+        ended = cf.Future()  # the submission ended (its actor died)
+        ended.set_result(None)
+        pool.refs[f"ref{attempt}"] = (0, pool.generation[0], ended)
         outcomes += [outcome for _, _, outcome in pool.poll(0.1)]
     assert [type(o).__name__ for o in outcomes] == ["RuntimeError", "RuntimeError",
                                                     "PermanentRolloutError"]  # fmt: skip
     assert "died 3 times in a row; last: RuntimeError: actor died (ref2)" in str(outcomes[-1])
+
+
+def test_a_ray_pools_poll_ends_on_wake_with_a_submission_in_flight(tok_dir):
+    """`RayWorkerPool.poll` waits on its submissions and on `wake` at once: a wake from another
+    thread ends a long poll while a submission still runs (the engine never answers)."""
+    import ray
+
+    from asyncrl.rollout.ray_pool import RayWorkerPool
+
+    silent = threading.Event()  # the engine holds every request until the test ends
+
+    async def hold(request: web.Request) -> web.Response:
+        await asyncio.get_running_loop().run_in_executor(None, silent.wait, 60)
+        return web.json_response({})
+
+    started_here = not ray.is_initialized()
+    try:
+        with Receiver(ReceiverConfig(secret=SECRET)) as receiver, _serving(hold) as port:
+            pool = RayWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 1)
+            try:
+                pool.submit(0, [item()])
+                returned, got = threading.Event(), []
+                poller = threading.Thread(target=lambda: (got.extend(pool.poll(600)),
+                                                          returned.set()))  # fmt: skip
+                poller.start()
+                pool.wake()
+                assert returned.wait(30), "wake did not end the poll"
+                assert got == [] and len(pool.refs) == 1  # nothing ended: it was the wake
+            finally:
+                silent.set()
+                pool.close()
+    finally:
+        if started_here:
+            ray.shutdown()

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,9 @@ class Admission:
         self.accepted = 0
         self.unreserved = 0
         self.ledger = InFlightLedger()
+        # Called (non-blocking, under the lock) when the version moves and capacity opens: the
+        # dispatcher hands out the new prompts at once instead of at its next poll.
+        self.on_version: list[Callable[[], None]] = []
 
     # -- the rule -----------------------------------------------------------------------------
     @property
@@ -186,7 +189,9 @@ class Admission:
         with self._lock:
             if version < self._version:
                 raise ReplayError(f"replay: version went back from {self._version} to {version}")
-            self._version = version
+            moved, self._version = version > self._version, version
+            for listener in self.on_version if moved else ():
+                listener()
 
     def budget(self) -> int:
         return (self.max_staleness + self._version + 1) * self.batch

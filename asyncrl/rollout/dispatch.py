@@ -33,9 +33,13 @@ class WorkerPool(Protocol):
         """Start `items` on a worker; returns a handle for `poll`."""
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
-        """Finished submissions: (worker, handle, results or the exception that ended them).
-        The pool replaces a dead worker itself; its submissions come back as exceptions
-        (a `PermanentRolloutError` when replacing it cannot help)."""
+        """Finished submissions: (worker, handle, results or the exception that ended them),
+        waiting up to `timeout` for one (or for `wake`). The pool replaces a dead worker
+        itself; its submissions come back as exceptions (a `PermanentRolloutError` when
+        replacing it cannot help)."""
+
+    def wake(self) -> None:
+        """End a `poll` in progress now (any thread, never blocks): new work may be handed out."""
 
 
 class Dispatcher:
@@ -55,11 +59,15 @@ class Dispatcher:
         self.pool, self.next_prompt = pool, next_prompt
         self.engine_version = engine_version
         self.admission = queue.admission
+        # The learner's new version opens capacity: hand it out now, not at the next poll's end
+        # (up to 20 ms later; a synchronous run would wait that long every step).
+        self.admission.on_version.append(pool.wake)
         self.max_inflight = max_inflight_per_worker
         self.handles: dict[Any, list[str]] = {}  # submission handle -> its prompt keys
         self.counters = {"dispatched": 0, "reissued": 0, "failed_prompts": 0, "actor_failures": 0}
         self.counters["permanent_failures"] = 0
         self.last_error = ""
+        self.poll_s = 0.02  # the longest a poll waits (a finished submission or `wake` ends it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="asyncrl-dispatch", daemon=True)
         self.error: BaseException | None = None
@@ -71,7 +79,10 @@ class Dispatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        self.pool.wake()
         self._thread.join(timeout=10)
+        if self.pool.wake in self.admission.on_version:
+            self.admission.on_version.remove(self.pool.wake)
 
     def __enter__(self) -> Dispatcher:
         return self.start()
@@ -83,7 +94,7 @@ class Dispatcher:
         try:
             while not self._stop.is_set() and self.error is None:
                 self.dispatch_once()
-                self.reap(timeout=0.02)
+                self.reap(timeout=self.poll_s)
         except BaseException as e:  # surfaced to the training loop by `check`
             self.error = e
 

@@ -13,8 +13,8 @@ between end the run the same way, instead of respawning forever.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +84,10 @@ class RayWorkerPool:
         self.workers = [self._spawn(i) for i in range(num_workers)]
         self.generation = [0] * num_workers
         self.deaths = [0] * num_workers  # in a row, per worker: reset by any answer
-        self.refs: dict[Any, tuple[int, int]] = {}  # ref -> (actor, generation)
+        # ref -> (actor, generation, its completion as a future: `poll` waits on the refs and
+        # on `wake` at once)
+        self.refs: dict[Any, tuple[int, int, cf.Future]] = {}
+        self._woken: cf.Future = cf.Future()
         self.restarts = 0
         self._check_started()
 
@@ -113,19 +116,26 @@ class RayWorkerPool:
 
     def submit(self, actor: int, items: list[PromptItem]) -> Any:
         ref = self.workers[actor].run_prompts.remote(items)
-        self.refs[ref] = (actor, self.generation[actor])
+        self.refs[ref] = (actor, self.generation[actor], ref.future())
         return ref
 
+    def wake(self) -> None:
+        try:
+            self._woken.set_result(None)
+        except cf.InvalidStateError:  # woken already; `poll` has not taken it yet
+            pass
+
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
-        if not self.refs:
-            # Nothing in flight: wait out the timeout as ray.wait would. Returning at once made
-            # the dispatcher spin a core (and the GIL) whenever admission was closed.
-            time.sleep(timeout)
-            return []
-        ready, _ = self._ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout)
+        # Waits (never spins: returning at once made the dispatcher take a core and the GIL
+        # whenever admission was closed) until a submission ends, `wake`, or the timeout.
+        woken = self._woken
+        waits = [done for _, _, done in self.refs.values()]
+        cf.wait([*waits, woken], timeout, return_when=cf.FIRST_COMPLETED)
+        if woken.done():  # a wake racing this swap may hit the old one: harmless, as the
+            self._woken = cf.Future()  # dispatcher reads admission right after this poll
         out = []
-        for ref in ready:
-            actor, gen = self.refs.pop(ref)
+        for ref in [ref for ref, (_, _, done) in self.refs.items() if done.done()]:
+            actor, gen, _ = self.refs.pop(ref)
             try:
                 outcome: Any = self._ray.get(ref)
                 self.deaths[actor] = 0
