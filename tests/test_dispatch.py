@@ -331,6 +331,7 @@ def test_prompts_carry_the_engines_synced_version_when_handed_out():
     ]  # fmt: skip
 
 
+@pytest.mark.timing
 def test_a_new_version_hands_out_prompts_at_once_not_at_the_polls_end():
     """The learner's new version opens capacity; the dispatcher, blocked in a long poll, is
     woken (`WorkerPool.wake`, via `Admission.on_version`) and hands the prompts out at once."""

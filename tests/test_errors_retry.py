@@ -306,6 +306,7 @@ def test_a_worker_that_keeps_dying_fails_the_run_instead_of_respawning_forever()
     assert "died 3 times in a row; last: RuntimeError: actor died (ref2)" in str(outcomes[-1])
 
 
+@pytest.mark.timing
 def test_a_ray_pools_poll_ends_on_wake_with_a_submission_in_flight(tok_dir):
     """`RayWorkerPool.poll` waits on its submissions and on `wake` at once: a wake from another
     thread ends a long poll while a submission still runs (the engine never answers)."""
