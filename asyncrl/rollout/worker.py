@@ -94,12 +94,13 @@ class RolloutWorker:
 
     async def run_prompts(self, items: list[PromptItem]) -> list[PromptResult]:
         """Generate, score and push a group for every prompt; one result per prompt."""
+        stamps = [it.engine_version for it in items if it.engine_version is not None]
+        for client in self.builder.clients:  # no request after a sync uses an older namespace
+            client.saw_version(max(stamps, default=None))
         return list(await asyncio.gather(*(self._one_prompt(item) for item in items)))
 
     async def _one_prompt(self, item: PromptItem) -> PromptResult:
         loop = asyncio.get_running_loop()
-        for client in self.builder.clients:  # no request after a sync uses an older namespace
-            client.saw_version(item.engine_version)
         try:
             group = await self._with_retries(lambda: self.builder.build(item))
             # Only the send is repeated when the transport is full: the group is kept.
