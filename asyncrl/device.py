@@ -22,6 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("cuda", "npu", "cpu")
+
+# Ray sets a worker's visibility variable from its own resources unless told not to; ranks that
+# asyncrl pins to a device_mapping entry set it themselves.
+NOSET = {
+    "cuda": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+    "npu": "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES",
+}
 ENV_OVERRIDE = "ASYNCRL_DEVICE"
 
 
@@ -60,6 +67,29 @@ class DeviceSpec:
         import torch
 
         return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, index)
+
+    def pinned_env(self, device_id: int) -> dict[str, str]:
+        """The environment of a Ray actor that must see exactly device `device_id`: the
+        visibility variable, and Ray told not to override it (empty on the CPU)."""
+        noset = NOSET.get(self.kind)
+        return {} if noset is None else {noset: "1", **self.visibility([device_id])}
+
+    def group_backend(self) -> str:
+        """A training group's backend: gloo on the CPU; on an accelerator, its collective
+        library for device tensors with gloo beside it for CPU ones (counts, object gathers)."""
+        return "gloo" if self.kind == "cpu" else f"cpu:gloo,{self.kind}:{self.backend}"
+
+
+def select_device(device: str | int, kind: str = "cuda") -> None:
+    """Make `device` ("cuda:1", or an index of `kind`) this process's current accelerator:
+    NCCL/HCCL and a DeviceMesh start on the current device. No-op on the CPU."""
+    import torch
+
+    dev = torch.device(kind, device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    elif dev.type == "npu":
+        torch.npu.set_device(dev)  # type: ignore[attr-defined]
 
 
 SPECS = {

@@ -58,14 +58,29 @@ def missing_pieces(cfg: Any, device_kind: str) -> list[str]:
                 f"{', '.join(absent)} (pip install 'asyncrl[megatron]'"
                 f"{'; on Ascend also asyncrl[npu]' if device_kind == 'npu' else ''})"
             )
-    train = cfg.actor_train
+    return missing + _fsdp2_pieces(cfg, device_kind)
+
+
+def _fsdp2_pieces(cfg: Any, device_kind: str) -> list[str]:
+    """What an fsdp2_train learner over several ranks cannot do on this machine: accelerator
+    ranks across nodes (multi-node ranks are placed on CPU bundles), and CPU offload where the
+    ranks compute on the CPU (everything is in host memory already)."""
+    train, missing = cfg.actor_train, []
     ranks = len(train.device_mapping)
-    if train.strategy_args.strategy_name == "fsdp2_train" and ranks > 1 and device_kind != "cpu":
-        # FSDP2's ranks are gloo processes here: on an accelerator they would train on the CPU
+    if train.strategy_args.strategy_name != "fsdp2_train" or ranks < 2:
+        return missing
+    if device_kind != "cpu" and cfg.cluster.address.strip():
         missing.append(
-            f"actor_train.device_mapping: fsdp2_train over {ranks} devices shards across CPU "
-            f"ranks (gloo) in this version, not {device_kind} ones: give it one device or use "
-            "megatron_train"
+            f"actor_train.device_mapping: fsdp2_train over {ranks} {device_kind} devices runs "
+            "on the driver's node only (its ranks pin the node's devices); remove "
+            "cluster.address or give it one device"
+        )
+    sc = train.strategy_args.strategy_config
+    if device_kind == "cpu" and (sc.get("offload_params") or sc.get("offload_optimizer")):
+        missing.append(
+            "actor_train.strategy_args.strategy_config.offload_params: this machine has no "
+            "accelerator; the learner computes on the CPU, where parameters and optimizer "
+            "state are in host memory already (nothing to offload): remove it"
         )
     return missing
 

@@ -113,12 +113,37 @@ def test_a_one_process_learner_trains_on_its_first_device_where_there_is_one():
     assert worker_device([0, 1], "cpu") == "cpu"  # a CPU box: device ids are ranks only
 
 
-def test_fsdp2_over_several_accelerators_is_refused_before_anything_starts():
+def test_fsdp2_ranks_pin_their_device_mapping_entries():
+    """Rank 0 (the driver, which sees every device) computes on mapping[0]; rank r sees only
+    mapping[r] (Ray told not to override it), as its device 0. The training group carries
+    device tensors on NCCL/HCCL and CPU ones (counts, object gathers) on gloo."""
+    from asyncrl.learner.torch.distributed import rank_devices
+
+    cuda, npu, cpu = (dev.device_spec(k) for k in ("cuda", "npu", "cpu"))
+    assert rank_devices([2, 5, 7], cuda, 3) == [
+        ("cuda:2", {}),
+        ("cuda:0", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "5"}),
+        ("cuda:0", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "7"}),
+    ]  # fmt: skip
+    assert rank_devices([0, 1], npu, 2)[1] == ("npu:0", {
+        "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1", "ASCEND_RT_VISIBLE_DEVICES": "1"})  # fmt: skip
+    assert rank_devices([0], cpu, 2) == [("cpu", {}), ("cpu", {})]  # CPU: ids are ranks only
+    with pytest.raises(ValueError, match="2 cuda ranks need 2 device ids"):
+        rank_devices([0], cuda, 2)
+    assert cpu.group_backend() == "gloo"
+    assert cuda.group_backend() == "cpu:gloo,cuda:nccl"
+    assert npu.group_backend() == "cpu:gloo,npu:hccl"
+    assert cpu.pinned_env(0) == {}
+
+
+def test_fsdp2_over_several_accelerators_runs_on_the_driver_node_only():
     from asyncrl.config import load_config
     from asyncrl.preflight import missing_pieces
 
     cfg = load_config(None, ["actor_train.device_mapping=[0,1]"])
-    assert missing_pieces(cfg, "cpu") == []  # gloo ranks on the CPU: what FSDP2 runs here
+    assert missing_pieces(cfg, "cpu") == []  # gloo ranks on the CPU
+    assert missing_pieces(cfg, "cuda") == []  # a rank per GPU of this node
+    cfg.cluster.address = "10.0.0.1:6379"
     (line,) = missing_pieces(cfg, "cuda")
-    assert line.startswith("actor_train.device_mapping: fsdp2_train over 2 devices")
-    assert missing_pieces(load_config(None, ["actor_train.device_mapping=[0]"]), "cuda") == []
+    assert line.startswith("actor_train.device_mapping: fsdp2_train over 2 cuda devices")
+    assert missing_pieces(cfg, "cpu") == []  # multi-node CPU ranks: placement groups

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.checkpoint import Checkpointer, IncompleteCheckpoint
 from asyncrl.config import load_config
+from asyncrl.device import device_spec
 from asyncrl.learner.torch.distributed import DistributedTorchLearner
 from tests.test_torch_learner import _groups, _learner
 
@@ -18,7 +19,7 @@ from tests.test_torch_learner import _groups, _learner
 def _distributed(model_dir, single) -> DistributedTorchLearner:
     return DistributedTorchLearner(
         2, model_path=model_dir, train=single.train, actor=single.actor,
-        algorithm=single.algorithm, temperature=0.7, total_steps=10,
+        algorithm=single.algorithm, temperature=0.7, total_steps=10, device=device_spec("cpu"),
     )  # fmt: skip
 
 
@@ -238,22 +239,31 @@ def test_failed_async_save_keeps_the_previous_checkpoint_and_surfaces(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["actor_train.strategy_args.strategy_config.offload_params=true"], "nothing to offload"),
+        # nothing is sharded on one device: nothing to offload
+        (["actor_train.strategy_args.strategy_config.offload_params=true"], "FSDP2's shards"),
         (["actor_train.strategy_args.strategy_config.offload_optimizer=1"], "true or false"),
-        # the models the learner holds beside the actor take none either
+        (
+            [
+                "actor_train.device_mapping=[0,1]",
+                "actor_train.strategy_args.strategy_config.offload_params=true",
+                "actor_train.strategy_args.strategy_config.offload_optimizer=false",
+            ],
+            "offloads parameters, gradients and optimizer state together",
+        ),
+        # the models the learner holds beside the actor are sharded without offload
         (
             [
                 "algorithm.adv_estimator=gae",
                 "critic.strategy_args.strategy_config.offload_params=true",
             ],
-            "critic.strategy_args.strategy_config.offload_params: .*nothing to offload",
+            "critic.strategy_args.strategy_config.offload_params: the critic is sharded without",
         ),
         (
             [
                 "actor.use_kl_loss=true",
                 "reference.strategy_args.strategy_config.offload_optimizer=true",
             ],
-            "reference.strategy_args.strategy_config.offload_optimizer: .*nothing to offload",
+            "reference.strategy_args.strategy_config.offload_optimizer: the reference is",
         ),
     ],
 )
@@ -263,6 +273,22 @@ def test_config_refuses_what_fsdp2_cannot_honour(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, overrides))
+
+
+def test_offload_of_two_sharded_devices_validates_and_needs_an_accelerator():
+    """Offload is FSDP2's CPUOffloadPolicy over actor_train's shards: accepted for >= 2
+    devices; a machine whose ranks compute on the CPU refuses it before the run."""
+    from asyncrl.config.validate import validate
+    from asyncrl.preflight import missing_pieces
+
+    keys = ["offload_params=true", "offload_optimizer=true"]
+    cfg = load_config(None, ["actor_train.device_mapping=[0,1]"] + [
+        f"actor_train.strategy_args.strategy_config.{k}" for k in keys])  # fmt: skip
+    validate(cfg)
+    assert missing_pieces(cfg, "cuda") == []
+    (line,) = missing_pieces(cfg, "cpu")
+    assert line.startswith("actor_train.strategy_args.strategy_config.offload_params: this ")
+    assert "nothing to offload" in line
 
 
 # -- the critic (gae) on 2 ranks -------------------------------------------------------------

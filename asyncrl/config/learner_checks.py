@@ -125,11 +125,13 @@ FSDP_OFFLOAD = ("offload_params", "offload_optimizer")
 
 def check_fsdp2(cfg: Config) -> None:
     """fsdp2_train with > 1 device shards with FSDP2 (asyncrl.learner.torch.fsdp). Its CPU
-    offload keys (FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state
-    together) are refused: a run's fsdp2_train learner computes on the CPU, where everything is
-    in host memory already, so they would change nothing. The same for the models the learner
-    holds beside the actor (the critic, a configured reference): their sections take no offload
-    either."""
+    offload is FSDP2's CPUOffloadPolicy: parameters, gradients and (the optimizer steps where
+    its parameters are) the optimizer state on the host, all together, for actor_train's shards
+    (the policy and its frozen reference) on accelerators; a machine without one refuses it
+    before the run (asyncrl.preflight: on the CPU there is nothing to offload). Refused here: a
+    value that is not true/false, the two keys set apart (one policy moves both), offload with
+    one device (nothing is sharded), and offload keys in the critic's or reference's sections
+    (sharded without offload)."""
     if cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
         return
     for section in ("actor_train", "critic", "reference"):
@@ -137,16 +139,33 @@ def check_fsdp2(cfg: Config) -> None:
         if worker is None:
             continue
         where = f"{section}.strategy_args.strategy_config"
-        for key in FSDP_OFFLOAD:
-            value = worker.strategy_args.strategy_config.get(key)
+        values = {k: worker.strategy_args.strategy_config.get(k) for k in FSDP_OFFLOAD}
+        for key, value in values.items():
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
-            if value:
+            if value and section != "actor_train":
                 raise ConfigError(
-                    f"{where}.{key}: the fsdp2_train learner computes on the CPU, where "
-                    "parameters and optimizer state are in host memory already (nothing to "
-                    "offload): remove it"
+                    f"{where}.{key}: the {section} is sharded without CPU offload (only "
+                    "actor_train's shards offload): remove it"
                 )
+        if section == "actor_train" and any(values.values()):
+            _check_actor_offload(cfg, where, values)
+
+
+def _check_actor_offload(cfg: Config, where: str, values: dict) -> None:
+    params, optimizer = (values[k] for k in FSDP_OFFLOAD)
+    if None not in (params, optimizer) and params != optimizer:
+        raise ConfigError(
+            f"{where}: offload_params={params} and offload_optimizer={optimizer}: FSDP2 "
+            "offloads parameters, gradients and optimizer state together; set both alike"
+        )
+    devices = len(cfg.actor_train.device_mapping)
+    if devices < 2:
+        key = "offload_params" if params else "offload_optimizer"
+        raise ConfigError(
+            f"{where}.{key}: CPU offload applies to FSDP2's shards, and actor_train."
+            f"device_mapping has {devices} device(s): give it >= 2 or remove the key"
+        )
 
 
 LORA_FIELDS = (

@@ -11,8 +11,10 @@ ranks are Ray actors:
   (`weights/group.py:SealedStore`, HMAC-SHA256): the secret reaches the ranks only in their
   Ray actor arguments, so a process that can reach the port but lacks it cannot forge a
   rank's address or any other rendezvous value (its value fails the join, in one line).
-The ranks placed here are CPU (gloo) ranks: a learner whose ranks need accelerators of other
-nodes is refused at validation (`config/cluster_checks.py`).
+On one host, a rank on an accelerator sees only its device_mapping entry (its environment, set
+by the learner: `DeviceSpec.pinned_env`). Multi-node ranks are CPU (gloo) ranks: an fsdp2_train
+learner across nodes on accelerators is refused before the run starts (`asyncrl.preflight`),
+a multi-device Megatron learner across nodes at validation (`config/cluster_checks.py`).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class RankPlacement:
             here = ray.get_runtime_context().get_node_id()
             return [
                 {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
-            ] * ranks
+                for _ in range(ranks)
+            ]
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

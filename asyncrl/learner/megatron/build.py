@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.device import DeviceSpec
+from asyncrl.device import DeviceSpec, select_device
 from asyncrl.learner.megatron.args import TRANSFORMER, MegatronConfigError, MegatronPlan
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.weights import HFCheckpoint, load_hf_into, stage_layout, unwrap
@@ -45,10 +45,7 @@ def init_distributed(device: DeviceSpec, rank: int, world: int, meet: Rendezvous
                      local: int) -> None:  # fmt: skip
     """Join the ranks' default group at `meet` (a Rendezvous, or an init URL); a lone rank
     needs none: it keeps its store in memory (no port, no file another process could join)."""
-    if device.kind == "cuda":
-        torch.cuda.set_device(local)
-    elif device.kind == "npu":
-        torch.npu.set_device(local)  # type: ignore[attr-defined]
+    select_device(local, device.kind)
     if torch.distributed.is_initialized():
         return
     if isinstance(meet, Rendezvous):

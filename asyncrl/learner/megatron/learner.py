@@ -31,9 +31,6 @@ from asyncrl.learner.placement import RankPlacement, Rendezvous
 
 __all__ = ["MegatronLearner", "require_megatron"]
 
-NOSET = {"cuda": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
-         "npu": "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"}  # fmt: skip
-
 
 class _RemoteRank:
     """Ray actor body: one Megatron rank that mirrors rank 0's calls."""
@@ -107,11 +104,7 @@ class MegatronLearner:
         # On the driver's node: the ranks take its devices (device_mapping).
         here = RankPlacement().actor_options(len(mapping) - 1)
         for rank in range(1, len(mapping)):
-            env = (
-                {NOSET[dev.kind]: "1", **dev.visibility([mapping[rank]])}
-                if dev.kind in NOSET
-                else {}
-            )
+            env = dev.pinned_env(mapping[rank])
             actor = remote_cls.options(runtime_env={"env_vars": env}, **here[rank - 1])
             self.remotes.append(actor.remote(kwargs, rank, len(mapping), meet, dev.kind))
 

@@ -1,7 +1,9 @@
 """The torch learner over W processes, sharded with FSDP2 (`asyncrl.learner.torch.fsdp`).
 
 Rank 0 is a `TorchLearner` in the driver process (so weight sync and checkpoints stay where they
-are); ranks 1..W-1 are Ray actors. Every `step` hands the whole batch to every rank; each trains
+are); ranks 1..W-1 are Ray actors. On the CPU the ranks meet over gloo; on a node's GPUs/NPUs
+each rank computes on its `actor_train.device_mapping` entry (`rank_devices`) and the group
+runs NCCL/HCCL for device tensors, gloo for CPU ones. Every `step` hands the whole batch to every rank; each trains
 on its rows (row r on rank r % W) while FSDP2 all-gathers the parameters of each layer for its
 forward/backward and reduce-scatters the gradients, so each rank holds 1/W of the parameters,
 gradients and optimizer state. Since every forward, backward and full-tensor gather is a
@@ -23,7 +25,14 @@ from typing import Any
 
 import torch
 
-from asyncrl.device import ThreadShare, apply_thread_share
+from asyncrl.device import (
+    DeviceSpec,
+    ThreadShare,
+    apply_thread_share,
+    detect_device,
+    device_spec,
+    select_device,
+)
 from asyncrl.learner.objective import check_learner_side
 from asyncrl.learner.placement import RankPlacement, Rendezvous
 from asyncrl.learner.reference import reference_spec
@@ -31,10 +40,32 @@ from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.learner import TorchLearner
 
 
-def _join(rank: int, world: int, rendezvous: Rendezvous) -> Any:
+def rank_devices(
+    mapping: Sequence[int], spec: DeviceSpec, world: int
+) -> list[tuple[str, dict[str, str]]]:
+    """(torch device, environment variables) of each rank, rank 0 first. On the CPU every rank
+    computes on "cpu". On an accelerator (one node) rank 0 is the driver process, which sees
+    every device, and takes `<kind>:<mapping[0]>`; rank r >= 1 is a process that sees only
+    device mapping[r] (Ray told not to override the visibility), its `<kind>:0`."""
+    if spec.kind == "cpu":
+        return [("cpu", {})] * world
+    if len(mapping) < world:
+        raise ValueError(f"{world} {spec.kind} ranks need {world} device ids, got {list(mapping)}")
+    first = [(f"{spec.kind}:{mapping[0]}", {})]
+    return first + [(f"{spec.kind}:0", spec.pinned_env(mapping[r])) for r in range(1, world)]
+
+
+def _pinned(env: dict[str, str]) -> dict[str, Any]:
+    """Ray actor options that set an accelerator rank's environment (none on the CPU)."""
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+def _join(rank: int, world: int, rendezvous: Rendezvous, spec: DeviceSpec, device: str) -> Any:
     """Join the training group (default) and create the checkpoint group; returns the latter.
-    Every rank calls this in the same order (new_group is a collective)."""
-    rendezvous.join(rank, world, "gloo")
+    Every rank calls this in the same order (new_group is a collective). The rank's device is
+    made current first: NCCL/HCCL and FSDP2's DeviceMesh start on the current device."""
+    select_device(device)
+    rendezvous.join(rank, world, spec.group_backend())
     return torch.distributed.new_group(backend="gloo")
 
 
@@ -43,9 +74,17 @@ class _RemoteRank:
     two calls at once (max_concurrency=2) only so `wait_save` can wait on a background write
     while the next `step` trains; the driver never overlaps any other two calls."""
 
-    def __init__(self, kwargs: dict[str, Any], rank: int, world: int, meet: Rendezvous) -> None:
-        self.ckpt_group = _join(rank, world, meet)
-        self.learner = TorchLearner(**kwargs, rank=rank, world_size=world)
+    def __init__(
+        self,
+        kwargs: dict[str, Any],
+        rank: int,
+        world: int,
+        meet: Rendezvous,
+        kind: str,
+        device: str,
+    ) -> None:
+        self.ckpt_group = _join(rank, world, meet, device_spec(kind), device)
+        self.learner = TorchLearner(**kwargs, device=device, rank=rank, world_size=world)
         self.pending: Future | None = None
 
     def step(self, groups: list[Any]) -> None:
@@ -88,9 +127,15 @@ class DistributedTorchLearner:
     `kwargs` are TorchLearner's (`reference` included: every rank holds its shard of it)."""
 
     def __init__(
-        self, world_size: int, placement: RankPlacement | None = None, **kwargs: Any
+        self,
+        world_size: int,
+        placement: RankPlacement | None = None,
+        device: DeviceSpec | None = None,
+        **kwargs: Any,
     ) -> None:
-        """`placement`: where ranks 1..W-1 run and how they meet rank 0 (default: this node)."""
+        """`placement`: where ranks 1..W-1 run and how they meet rank 0 (default: this node);
+        `device`: the accelerator kind the ranks compute on (default: this machine's), each
+        rank on its `actor_train.device_mapping` entry (`rank_devices`)."""
         import ray
 
         from asyncrl.net import init_ray
@@ -107,16 +152,23 @@ class DistributedTorchLearner:
         self._ray = ray
         placement = placement or RankPlacement()
         meet, self._private = placement.rendezvous()  # kept: later groups use it
+        spec = device or detect_device()
+        devices = rank_devices(list(kwargs["train"].device_mapping), spec, world_size)
+        kwargs.pop("device", None)  # each rank's own, from `devices`
         try:
             remote_cls = ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
             options = placement.actor_options(world_size - 1)
             self.remotes = [
-                remote_cls.options(**opts).remote(kwargs, rank, world_size, meet)
-                for rank, opts in enumerate(options, start=1)
+                remote_cls.options(**opts, **_pinned(env)).remote(
+                    kwargs, rank, world_size, meet, spec.kind, where
+                )
+                for rank, (opts, (where, env)) in enumerate(
+                    zip(options, devices[1:], strict=True), start=1
+                )
             ]
             # Rank 0 joins last: init_process_group returns once every rank has arrived.
-            self.ckpt_group = _join(0, world_size, meet)
-            self.local = TorchLearner(**kwargs, rank=0, world_size=world_size)
+            self.ckpt_group = _join(0, world_size, meet, spec, devices[0][0])
+            self.local = TorchLearner(**kwargs, device=devices[0][0], rank=0, world_size=world_size)
         except BaseException:
             self.close()
             raise

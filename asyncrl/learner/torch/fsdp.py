@@ -15,7 +15,8 @@ nothing from bf16 compute here, and a run that equals the one-process run to 1e-
 Activation checkpointing stays the model's own (transformers checkpoints each decoder layer),
 which composes with fully_shard. `strategy_config.offload_params` (CPUOffloadPolicy: parameters,
 gradients and, since the optimizer steps where its parameters are, the optimizer state on the
-host) applies on accelerators only; config validation refuses it on a CPU run.
+host; `offload_optimizer` names the same policy) applies on accelerators only: a machine without
+one refuses it before the run (asyncrl.preflight).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def shard_learner(
     """Shard the policy (`train`: actor_train's section) and a reference model of its own (the
     frozen copy or the configured one: sharded for inference alike) in place. A LoRA policy
     (peft) is sharded whole, base and adapter alike: only the adapter's shards train."""
-    offload = bool(train.strategy_args.strategy_config.get("offload_params", False))
+    config = train.strategy_args.strategy_config  # validation: the two keys agree
+    offload = bool(config.get("offload_params") or config.get("offload_optimizer"))
     shard(model, device, compute_dtype, offload)
     if reference is not None:
         shard(reference, device, compute_dtype, offload)
