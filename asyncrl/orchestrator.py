@@ -15,6 +15,7 @@ group is counted and logged in one line; the pump never dies on one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -226,9 +227,15 @@ class Orchestrator:
         pump: GroupPump,
         queue: ReplayQueue,
         learner: WeightSource,
+        overlap: bool = False,
     ) -> None:
+        """`overlap` (`weight_sync.overlap`): `sync_weights(overlap=True)` may run a sync while
+        the learner trains on."""
         self.rollout, self.fleet, self.dispatcher = rollout, fleet, dispatcher
         self.pump, self.queue, self.learner = pump, queue, learner
+        self.overlap = overlap
+        # An overlapped sync in flight: (its future, the version it carries).
+        self._pending: tuple[concurrent.futures.Future, int] | None = None
 
     def take_batch(self, n: int, version: int) -> list[TrajectoryGroup]:
         """Block until n groups within the staleness bound are ready; fail loudly, never hang."""
@@ -236,7 +243,8 @@ class Orchestrator:
         while time.monotonic() < deadline:
             self.dispatcher.check()
             self.pump.check()
-            self.fleet.heal(self.learner)
+            if self._pending is None:  # a sync in flight heals at its landing if it fails
+                self.fleet.heal(self.learner)
             groups = self.queue.take(n, version, timeout=0.5)
             if groups:
                 return groups
@@ -245,11 +253,43 @@ class Orchestrator:
             f"last rollout error: {self.dispatcher.last_error or 'none'}{self.pump.diagnosis()}"
         )
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, overlap: bool = False) -> dict[str, float]:
         """Broadcast the learner's weights; an engine that died mid-sync is relaunched and the
-        whole fleet re-synced (heal), any other failure propagates with its engine named."""
+        whole fleet re-synced (heal), any other failure propagates with its engine named.
+        `overlap` (where the run allows it): from a copy taken now, while the learner goes on;
+        admission for its version opens when every engine holds it (`open_admission`). The
+        metrics returned are those of the sync that ended here: this one, or the overlapped
+        one before it ({} when none)."""
+        landed = self.land_sync()
+        version = self.learner.version
+        if not (overlap and self.overlap):
+            return self._healed(lambda: self.fleet.sync(self.learner))
+        opened = lambda: self.queue.set_version(version)  # noqa: E731 - on the control loop
+        self._pending = (self.fleet.start_sync(self.learner, then=opened), version)
+        return landed
+
+    def land_sync(self) -> dict[str, float]:
+        """Wait for the overlapped sync in flight, if any (healing as `sync_weights` does)."""
+        if self._pending is None:
+            return {}
+        (future, version), self._pending = self._pending, None
+        timeout = self.fleet.ws.timeout_s * 4
+        metrics = self._healed(lambda: future.result(timeout))
+        self.queue.set_version(version)  # opened already, unless a heal re-synced instead
+        return {**metrics, "sync/overlapped": 1.0}
+
+    def open_admission(self, version: int) -> None:
+        """Admit prompts for learner `version` (the replay queue's budget). An overlapped sync
+        of that version opens it itself when it lands; a later version lands it first."""
+        if self._pending is not None:
+            if self._pending[1] == version:
+                return
+            self.land_sync()
+        self.queue.set_version(version)
+
+    def _healed(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         try:
-            return self.fleet.sync(self.learner)
+            return sync()
         except WeightSyncError:
             deadline = time.monotonic() + ENGINE_EXIT_GRACE_S
             while not self.fleet.heal(self.learner):
@@ -276,5 +316,6 @@ class Orchestrator:
         """The replay queue and, once, its in-flight ledger: `outstanding`, the prompts handed
         out and not delivered (as `PromptItem` dicts, pending first), re-issued on resume. One
         snapshot, so a prompt is in exactly one of buffered, outstanding or gone."""
+        self.land_sync()  # the queue's version is the learner's: admission fully open
         state = self.queue.state_dict()
         return {"outstanding": state.pop("outstanding"), "queue": state}

@@ -119,6 +119,17 @@ def test_wrong_type_names_path_and_expected_type():
     assert "algorithm.rollout_is_level" in msg and "sequence" in msg
 
 
+def test_an_unpaused_sync_needs_engines_that_hold_the_buckets():
+    msg = _error("async.pause_mode=none", "actor_infer.strategy_args.strategy_name=sglang")
+    assert msg.startswith("async.pause_mode: none needs hf_infer engines; sglang loads")
+    assert load_config(None, ["async.pause_mode=none"]).async_.pause_mode == "none"
+
+
+def test_an_overlapped_sync_is_refused_with_the_wait_policy():
+    msg = _error("weight_sync.overlap=always", "async.stale_policy=wait")
+    assert msg.startswith("weight_sync.overlap: always with async.stale_policy: wait")
+
+
 def test_prompt_and_messages_conflict():
     msg = _error("actor_train.data_args.prompt=q", "actor_train.data_args.messages=m")
     assert "prompt" in msg and "messages" in msg

@@ -275,7 +275,7 @@ def test_heal_relaunches_an_engine_that_cannot_generate(tiny_model, tmp_path):
 def test_health_monitor_names_an_engine_that_reports_a_dead_scheduler(tmp_path):
     """An engine whose scheduler died answers /health_generate with 503 (its process lives):
     after `failures` rounds it is named; `poll` itself never waits on the engine."""
-    from asyncrl.engine.fleet import HealthMonitor
+    from asyncrl.engine.health import HealthMonitor
     from asyncrl.engine.process import ServerHandle, popen
     from asyncrl.net import AsyncRunner
 

@@ -298,10 +298,13 @@ async def wait_mid_generation(client: EngineClient, task: asyncio.Task, tokens: 
 
 
 @pytest.mark.timing
-def test_in_place_update_mid_generation_stamps_each_token_with_its_version(server):
-    """A weight update lands while a long request runs (pause in_place): tokens sampled before
-    carry the old version, tokens after the new one, and the request finishes normally."""
+@pytest.mark.parametrize("pause_mode", ["in_place", None])
+def test_in_place_update_mid_generation_stamps_each_token_with_its_version(server, pause_mode):
+    """A weight update lands while a long request runs (pause in_place; or none, in several
+    buckets, loaded at the last): tokens sampled before carry the old version, tokens after
+    the new one, and the request finishes normally."""
     model = make_tiny_model(seed=11)
+    target = 7 if pause_mode else 8  # above what the last test (module server) left
     # The sync starts once a few tokens are sampled; ~2000 decode steps are then left, while
     # its pause acts within one step of reaching the server: the update lands mid-generation
     # by construction (the versions asserted below show it did). PROMPT + n < context 2048.
@@ -314,12 +317,59 @@ def test_in_place_update_mid_generation_stamps_each_token_with_its_version(serve
             params = {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}
             task = asyncio.create_task(client.generate_one(GenerateRequest(PROMPT, params)))
             await wait_mid_generation(client, task, len(PROMPT) + 4)
-            await sender.sync(model.named_parameters(), 7, pause_mode="in_place")
+            await sender.sync(
+                model.named_parameters(), target, bucket_bytes=16_000, pause_mode=pause_mode
+            )
             out = await task
             await sender.close()
         versions = out.token_versions()
         assert out.finish_reason == "length" and len(versions) == n
-        assert versions == sorted(versions) and versions[-1] == 7 and versions[0] < 7
-        assert out.version == 7
+        assert versions == sorted(versions) and versions[-1] == target and versions[0] < target
+        assert out.version == target
+
+    asyncio.run(go())
+
+
+def test_an_unpaused_engine_holds_every_bucket_until_the_last(server):
+    """pause_mode none: while the buckets arrive the engine keeps serving the old weights under
+    the old version (a request answered between two buckets shows both); the bucket carrying
+    the version loads them all at once. A bucket refused mid-sync drops the ones held."""
+    import threading
+
+    old, new = make_tiny_model(seed=21), make_tiny_model(seed=22)
+    seen: list[str] = []
+
+    def probing(named, at: int):
+        """`named`, answering one greedy request (checked against `old`) before tensor `at`
+        is handed over: by then the buckets before it were sent and acknowledged."""
+        for i, item in enumerate(named):
+            if i == at:  # a request of its own loop, in a thread: this one is the sender's
+                box: list = []
+                probe = threading.Thread(target=lambda b=box: b.append(asyncio.run(_greedy(old))))
+                probe.start()
+                probe.join(60)
+                seen.append(box[0])
+            yield item
+
+    async def _greedy(model) -> str:
+        async with EngineClient(server.url, timeout=30) as c:
+            return await greedy_matches(c, model)
+
+    async def go():
+        async with EngineClient(server.url, timeout=30) as client:
+            sender = WeightSender(group_name="unpaused", timeout_s=GROUP_TIMEOUT)
+            await sender.init_group([client], backend="gloo")
+            await sender.sync(old.named_parameters(), 30, bucket_bytes=16_000)
+            params = list(new.named_parameters())
+            stats = await sender.sync(probing(params, len(params) - 2), 31, bucket_bytes=16_000,
+                                      load_format="auto", pause_mode=None)  # fmt: skip
+            assert stats.buckets >= 3 and seen == ["30"]  # old weights, old version, mid-sync
+            assert await greedy_matches(client, new) == "31"
+            # a bad last bucket: the held ones are dropped, the model stays at 31
+            bad = [*old.named_parameters(), ("lm_head.weight", torch.zeros(2, 2))]
+            with pytest.raises(WeightSyncError, match="shape mismatch"):
+                await sender.sync(bad, 32, bucket_bytes=16_000, load_format=None, pause_mode=None)
+            assert await greedy_matches(client, new) == "31"
+            await sender.close()
 
     asyncio.run(go())

@@ -21,7 +21,7 @@ from asyncrl.config.schema_actor import (  # noqa: F401 - the schema's names, re
 )
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-PauseMode = Literal["abort", "retract", "in_place"]
+PauseMode = Literal["abort", "retract", "in_place", "none"]
 
 
 class ConfigError(ValueError):
@@ -179,7 +179,10 @@ class AsyncConfig:
     sync_interval: int = 1
     """Broadcast weights to the engines every N optimizer steps."""
     pause_mode: PauseMode = "in_place"
-    """How engines hold in-flight requests during a weight update: abort | retract | in_place."""
+    """How engines hold in-flight requests during a weight update: abort | retract | in_place
+    (paused while the buckets arrive) | none (hf_infer: the engines keep generating while
+    every bucket arrives and is checked, then load them all, with the version, between two
+    steps; SGLang loads bucket by bucket, so it is refused there)."""
     stale_policy: Literal["evict", "wait", "correct"] = "evict"
     """A group staler than max_staleness: evict (dropped, its prompt replaced); wait (no new
     prompts and no learner step while in-flight work would exceed the bound: nothing is
@@ -219,6 +222,15 @@ class WeightSyncConfig:
     version, the previous removed once unloaded); the engines read it, so with
     `cluster.address` (multi-node) it must be a path every engine's node shares (required
     then). Empty: `output_dir/lora_adapters`."""
+    overlap: Literal["auto", "always", "never"] = "auto"
+    """always: a sync runs while the learner trains the next step, from a copy of the weights
+    the learner takes first (a second copy in rank 0's memory: FSDP/Megatron gather them
+    whole); admission opens for the new version once every engine holds it, so the staleness
+    bound is unchanged. Steps that evaluate, and the last, wait for their sync. never: every
+    sync waits. auto: always for a one-process learner on the CPU (the copy is host memory)
+    at `async.max_staleness` >= 2 (at 1 a version's prompts start only once its sync lands:
+    overlapping leaves the engines less time, measured slower), else never. Refused with `async.stale_policy: wait` (its gate reads the version admission
+    opened)."""
 
 
 @dataclass

@@ -51,6 +51,7 @@ from asyncrl.config.schema import (
     TrainingArgs,
     WorkerConfig,
 )
+from asyncrl.config.sync_checks import check_overlap, check_pause_mode
 from asyncrl.config.verl_actor import check_actor as check_verl_actor
 
 
@@ -65,6 +66,8 @@ def validate(cfg: Config) -> None:
             _check_worker(role, worker)
     _check_algorithm(cfg)
     _check_stale_policy(cfg)
+    check_pause_mode(cfg)
+    check_overlap(cfg)
     check_critic(cfg)
     check_kl_in_reward(cfg)
     _check_actor(cfg)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 from asyncrl.config.schema import ClusterConfig, WeightSyncConfig, WorkerConfig
 from asyncrl.device import DeviceSpec, ThreadShare, resolve_backend, torch_dtype
 from asyncrl.engine.client import EngineClient
+from asyncrl.engine.health import HealthMonitor
 from asyncrl.engine.process import ServerHandle
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
@@ -108,48 +108,6 @@ def local_launcher(
     raise ValueError(f"actor_infer.strategy_args.strategy_name {name!r}: expected hf_infer|sglang")
 
 
-class HealthMonitor:
-    """Background /health_generate checks of every engine asyncrl started, one round at a time
-    on the control loop. `poll` never blocks: it takes the answers of the last round, starts
-    the next one when due, and names the engines that failed `failures` rounds in a row."""
-
-    def __init__(
-        self, runner: AsyncRunner, interval_s: float, timeout_s: float, failures: int
-    ) -> None:
-        self.runner, self.interval_s, self.timeout_s = runner, interval_s, timeout_s
-        self.failures = failures
-        self.fails: dict[int, int] = {}  # engine index -> failed rounds in a row
-        self._round: concurrent.futures.Future | None = None
-        self._due = 0.0
-
-    def poll(self, handles: Sequence[ServerHandle], clients: Sequence[EngineClient]) -> list[int]:
-        done = self._round
-        if done is not None and done.done():
-            self._round = None
-            results = [] if done.cancelled() or done.exception() else done.result()
-            for i, handle, ok in results:
-                if i < len(handles) and handles[i] is handle:  # not relaunched meanwhile
-                    self.fails[i] = 0 if ok else self.fails.get(i, 0) + 1
-        now = time.monotonic()
-        if self._round is None and now >= self._due:
-            self._due = now + self.interval_s
-            owned = [(i, h, c) for i, (h, c) in enumerate(zip(handles, clients)) if h.owned]
-            self._round = asyncio.run_coroutine_threadsafe(self._check(owned), self.runner.loop)
-        return sorted(i for i, n in self.fails.items() if n >= self.failures)
-
-    async def _check(self, engines: list) -> list[tuple[int, ServerHandle, bool]]:
-        oks = await asyncio.gather(*(c.health(self.timeout_s) for _, _, c in engines))
-        return [(i, h, ok) for (i, h, _), ok in zip(engines, oks)]
-
-    def forget(self, index: int) -> None:
-        """Engine `index` was relaunched: its record starts afresh."""
-        self.fails.pop(index, None)
-
-    def close(self) -> None:
-        if self._round is not None:
-            self._round.cancel()
-
-
 class EngineFleet:
     """The engines of `actor_infer`, their clients, and the weight sender that feeds them.
 
@@ -181,7 +139,9 @@ class EngineFleet:
         dedicated_eval: bool = False,
         lora: NativeLora | None = None,
     ) -> None:
-        self.infer, self.ws, self.pause_mode = infer, weight_sync, pause_mode
+        self.infer, self.ws = infer, weight_sync
+        # "none": no pause; the engines hold the buckets and load them at the last one
+        self.pause_mode = None if pause_mode == "none" else pause_mode
         self.request_timeout_s, self.runner = request_timeout_s, runner
         self.health = HealthMonitor(runner, health_interval_s, health_timeout_s, health_failures)
         self.handles: list[ServerHandle] = []
@@ -344,28 +304,41 @@ class EngineFleet:
     def sync(self, source: WeightSource) -> dict[str, float]:
         """Broadcast `source`'s weights into every engine at its version (`lora_sync: native`:
         load its adapter by name, `weights/lora_native.py`); timing metrics."""
+        return self.start_sync(source, copy=False).result(self.ws.timeout_s * 4)
+
+    def start_sync(
+        self, source: WeightSource, copy: bool = True, then: Callable[[], None] | None = None
+    ) -> concurrent.futures.Future:
+        """`sync` on the control loop, returning at once: a future of its metrics. `copy`: of
+        the weights as they are now, taken here (the source may train on meanwhile); `then`:
+        called on the control loop once every engine holds them, before the future resolves."""
+        version = source.version
         if self.native is not None:
-            job = self.native.sync(
-                self.clients, source.adapter_for_sync(), source.version, self.pause_mode
-            )
+            tensors = _copied(source.adapter_for_sync(), copy)
+            job = self.native.sync(self.clients, tensors, version, self.pause_mode)
         else:
             job = self.sender.sync(
-                self._tensors(source),
-                source.version,
+                _copied(self._tensors(source), copy),
+                version,
                 bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
                 load_format=self._load_format(),
                 pause_mode=self.pause_mode,
                 dtype=self._served_dtype(),
             )
-        stats = self.runner.run(job, timeout=self.ws.timeout_s * 4)
+        return asyncio.run_coroutine_threadsafe(self._synced(job, version, then), self.runner.loop)
+
+    async def _synced(self, job: Any, version: int, then: Callable[[], None] | None) -> dict:
+        stats = await job
         self.counters["syncs"] += 1
-        self.synced_version = source.version
+        self.synced_version = version
         self.last_sync = {
             "sync/seconds": stats.seconds,
             "sync/gb_per_s": stats.gb_per_s,
             "sync/buckets": float(stats.buckets),
             "sync/bytes": float(stats.bytes),
         }
+        if then is not None:
+            then()
         return dict(self.last_sync)
 
     def _tensors(self, source: WeightSource) -> Iterable[tuple[str, Any]]:
@@ -388,3 +361,10 @@ class EngineFleet:
 
     def metrics(self) -> dict[str, float]:
         return {f"engines/{k}": float(v) for k, v in self.counters.items()}
+
+
+def _copied(tensors: Any, copy: bool) -> Any:
+    """`tensors` ((name, tensor) pairs), or a list of copies of them taken now."""
+    if not copy or tensors is None:
+        return tensors
+    return [(name, t.detach().clone()) for name, t in tensors]

@@ -274,10 +274,9 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     fmt = field(body, "load_format", str, None)
     new_version = version(body, "weight_version", required=False)
     receiver, engine = request.app[RECEIVER], request.app[ENGINE]
-    args = (names, dtypes, shapes, group, fmt)
+    args = (names, dtypes, shapes, group, fmt, new_version)  # the version loads with the bucket
     ok, msg = await _locked_in_thread(request.app, receiver.update, *args)
     if ok and new_version is not None:
-        engine.weight_version = new_version
         msg += f" Weight version updated to {engine.weight_version}."
     return _ok(ok, msg)
 

@@ -68,6 +68,9 @@ class WeightReceiver:
         )
         self.pristine: dict[str, torch.Tensor] = {}  # LoRA: layer weight name -> its W0
         self.pending: dict[str, torch.Tensor] = {}  # LoRA halves waiting for their partner
+        # An update into a running (unpaused) engine: every bucket received and checked, none
+        # loaded until the one carrying the version (see `update`).
+        self.deferred: list[tuple[list, list[torch.Tensor], bool]] = []
 
     def init_group(
         self,
@@ -92,6 +95,7 @@ class WeightReceiver:
             return False, f"Failed to initialize custom process group: {e}"
         self.groups[group_name] = (pg, backend)
         self.pending.clear()  # a new group starts a new sender: no half waits across it
+        self.deferred.clear()
         return True, "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str) -> tuple[bool, str]:
@@ -102,9 +106,22 @@ class WeightReceiver:
         return True, "Succeeded to destroy custom process group."
 
     def update(
-        self, names: list, dtypes: list, shapes: list, group_name: str, load_format: str | None
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        group_name: str,
+        load_format: str | None,
+        version: str | None = None,
     ) -> tuple[bool, str]:
-        """Receive one bucket from rank 0 and load it; (success, one-line message)."""
+        """Receive one bucket from rank 0 and load it; (success, one-line message). `version`
+        (the last bucket's): the engine reports it from the step the bucket loads in.
+
+        A paused engine loads each bucket as it arrives. A running one (the sender did not
+        pause it: `async.pause_mode: none`) must never step on half-updated weights, so every
+        bucket is received and checked but held, and the one carrying the version loads them
+        all, and sets the version, under one `step_lock`: between two steps, the tokens before
+        it carry the old version and the tokens after it the new one."""
         if group_name not in self.groups:
             return False, f"group {group_name!r} not initialised; call init_weights_update_group"
         if load_format not in (None, "flattened_bucket"):
@@ -125,20 +142,36 @@ class WeightReceiver:
         per_tensor = load_format is None and self._check(names, tdtypes, tshapes) is None
         per_tensor = per_tensor and not any(lora_half(n) for n in names)  # adapters are staged
         per_tensor = per_tensor and all(self.params[n].device == device for n in names)
+        hold = not self.engine.paused and version is None  # a running engine, more to come
         try:
             if per_tensor:
                 tensors = [self._shadow(n, device) for n in names]
                 broadcast(tensors, pg, src=0)
             else:
-                tensors = self._receive(pg, tdtypes, tshapes, load_format, device, total)
+                tensors = self._receive(pg, tdtypes, tshapes, load_format, device, total, hold)
         except GroupError as e:
             # A failed collective leaves the group unusable: drop it so a re-init can succeed.
             self.groups.pop(group_name, None)
             destroy_group(pg)
+            self.deferred.clear()
             return False, f"receive on group {group_name!r} failed (group dropped): {e}"
         problem = self._check(names, tdtypes, tshapes) or _non_finite(names, tensors)
         if problem is None:
-            with self.engine.step_lock, torch.no_grad():
+            self.deferred.append((names, tensors, per_tensor))
+            if not hold:
+                self._load(version)
+        self.staging.finish()
+        if problem:
+            self.pending.clear()  # a half held from an earlier bucket must not pair across syncs
+            self.deferred.clear()  # nor a held bucket load with a later sync's
+            return False, f"bucket rejected, model unchanged: {problem}"
+        return True, f"Succeeded to update {len(names)} parameters online."
+
+    def _load(self, version: str | None) -> None:
+        """Load every held bucket (and set `version`, if given) between two engine steps."""
+        deferred, self.deferred = self.deferred, []
+        with self.engine.step_lock, torch.no_grad():
+            for names, tensors, per_tensor in deferred:
                 for name, t in zip(names, tensors):
                     if lora_half(name):
                         self._lora(name, t)
@@ -149,11 +182,8 @@ class WeightReceiver:
                         self.shadows[name], param.data = param.data, t
                     else:
                         self.params[name].copy_(t)
-        self.staging.finish()
-        if problem:
-            self.pending.clear()  # a half held from an earlier bucket must not pair across syncs
-            return False, f"bucket rejected, model unchanged: {problem}"
-        return True, f"Succeeded to update {len(names)} parameters online."
+            if version is not None:
+                self.engine.weight_version = version
 
     def _shadow(self, name: str, device: torch.device) -> torch.Tensor:
         """The receive buffer of parameter `name` (its shape, dtype and device)."""
@@ -163,10 +193,12 @@ class WeightReceiver:
             buf = self.shadows[name] = torch.empty_like(param, device=device)
         return buf
 
-    def _receive(self, pg, dtypes, shapes, load_format, device, total) -> list[torch.Tensor]:
-        """The bucket's tensors as views into the staging buffer: one broadcast of the whole
-        buffer (flattened_bucket) or one per tensor, in order (the sender's two layouts)."""
-        buf = self.staging.get(total, device)
+    def _receive(self, pg, dtypes, shapes, load_format, device, total, hold: bool) -> list:
+        """The bucket's tensors as views into the staging buffer (a buffer of their own when
+        `hold`: the next bucket reuses the staging one): one broadcast of the whole buffer
+        (flattened_bucket) or one per tensor, in order (the sender's two layouts)."""
+        own = torch.empty(total, dtype=torch.uint8, device=device) if hold else None
+        buf = own if own is not None else self.staging.get(total, device)
         tensors = unflatten_bucket(buf, dtypes, shapes)
         broadcast([buf] if load_format == "flattened_bucket" else tensors, pg, src=0)
         return tensors
@@ -219,9 +251,13 @@ class WeightReceiver:
         unknown = [n for n, k in zip(names, known) if not k]
         if unknown:
             return f"{len(unknown)} unknown parameter name(s), first {show(unknown[0])}"
-        # the halves held from the previous bucket, then this bucket's, in order
-        ranks = {n: int(t.shape[0] if n.endswith(LORA_A) else t.shape[1])
-                 for n, t in self.pending.items()}  # fmt: skip
+        # the halves held from earlier buckets (waiting for a partner, or in a bucket held
+        # for a running engine), then this bucket's, in order
+        held = [*self.pending.items()] + [
+            (n, t) for names_, tensors, _ in self.deferred
+            for n, t in zip(names_, tensors) if lora_half(n)
+        ]  # fmt: skip
+        ranks = {n: int(t.shape[0] if n.endswith(LORA_A) else t.shape[1]) for n, t in held}
         for name, dtype, shape in zip(names, dtypes, shapes):
             if lora_half(name):
                 if problem := self._check_lora(name, dtype, shape, ranks):
