@@ -93,9 +93,10 @@ def bare_packed_step(model: Any, opt: Any, data: dict[str, torch.Tensor], budget
     for part in packing.partition(packing.real_lengths(data["attention_mask"]), budget):
         idx = torch.tensor(part, dtype=torch.long)
         rows = {k: v[idx] for k, v in data.items()}
-        packed = packing.pack(rows)
-        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                       use_cache=False, logits_to_keep=packed.logit_index).logits[0].float()  # fmt: skip
+        packed = packing.pack(rows, one_row=packing.varlen_attention(model))
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                    use_cache=False, logits_to_keep=packed.keep).logits  # fmt: skip
+        logits = out.reshape(-1, out.shape[-1])[packed.select].float()
         logp = logits.gather(-1, packed.targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
         adv = rows["advantages"][packed.rows, packed.cols]
         (-(logp * adv).sum() / total).backward()

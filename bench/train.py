@@ -13,8 +13,9 @@ attention ignored) / step time / the GPU's dense bf16 peak.
 On the CPU every path runs on `--threads` torch threads (default 1: stable on a shared box).
 
 Then the scale parts (bench/_train_scale.py): packed (`use_dynamic_bsz`, `--budget` real tokens
-per micro-batch; on the CPU the packed attention mask is dense, so a micro-batch's attention
-costs budget², hence the small default) vs padded learner on a log-normal long-tail length distribution, real tokens/s
+per micro-batch, laid into rows as long as the longest sequence: the CPU's dense block mask
+never costs more than the padded batch's attention) vs padded learner on a log-normal
+long-tail length distribution, real tokens/s
 and the padded batch's padding fraction (target packed >= 1.5x); the packed learner vs a bare
 packed fwd+bwd of the same real tokens (target >= 0.9x); FSDP2 on 2 CPU ranks vs 1 process,
 rank 0's parameter + gradient + optimizer bytes (target <= 0.55x) and the step time.

@@ -254,6 +254,46 @@ def test_packed_logprobs_and_entropy_equal_padded_per_row(tiny_model, attn):
         torch.testing.assert_close(split[real], want.detach()[real], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("lengths", "capacity"), [([5, 3, 9, 2, 2, 7], 9), ([4, 4, 4], 4), ([1], 1), ([6, 20, 3], 8)]
+)
+def test_fill_rows_keeps_every_sequence_whole_within_the_capacity(lengths, capacity):
+    rows = packing.fill_rows(lengths, capacity)
+    assert sorted(s for row in rows for s in row) == list(range(len(lengths)))
+    for row in rows:
+        assert sum(lengths[s] for s in row) <= capacity or len(row) == 1
+    # first fit by decreasing length: no two rows could have been one
+    loads = sorted(sum(lengths[s] for s in row) for row in rows)
+    assert len(loads) < 2 or loads[0] + loads[1] > capacity
+
+
+def test_rows_as_long_as_the_longest_sequence_equal_one_row_and_padded(tiny_model):
+    """Without a varlen kernel (sdpa, eager) the packed rows are as long as the longest
+    sequence: each sequence sits whole in one row, the row's tail is a segment of its own,
+    and the logprobs equal one packed row's and the padded batch's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
+    assert not packing.varlen_attention(model)
+    model.config._attn_implementation = "flash_attention_2"  # read only, not run here
+    assert packing.varlen_attention(model)
+    model.config._attn_implementation = "sdpa"
+    data = _data(_groups(long_row=True))
+    lengths = packing.real_lengths(data["attention_mask"])
+    rows = packing.pack(data, one_row=False)
+    assert rows.input_ids.shape[1] == max(lengths) and rows.input_ids.shape[0] < len(lengths)
+    assert int((rows.position_ids == 0).sum()) >= len(lengths)  # every sequence starts at 0
+    want, _ = lp.token_logprobs(model, data, TEMPERATURE)
+    got, _ = lp.token_logprobs(model, data, TEMPERATURE, packed=True)  # rows: sdpa
+    real = data["attention_mask"][:, -want.shape[1] :].bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=0)
+    one = packing.pack(data)
+    out = model(input_ids=one.input_ids, position_ids=one.position_ids, use_cache=False)
+    logits = out.logits[0, one.logit_index].float() / TEMPERATURE
+    one_row = logits.gather(-1, one.targets[:, None])[:, 0] - logits.logsumexp(-1)
+    torch.testing.assert_close(packing.unpack(one_row, one)[real], got[real], atol=1e-6, rtol=0)
+
+
 def test_packed_rows_without_response_tokens_give_zeros_and_a_connected_graph(tiny_model):
     from transformers import AutoModelForCausalLM
 

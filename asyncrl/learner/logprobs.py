@@ -107,8 +107,8 @@ def packed_token_logprobs(
     """`token_logprobs` from one packed forward of the rows' real tokens (`packing.pack`): the
     same [B, R] results (0.0 at padding), the same temperature rule, no padded token computed.
     Only the logits that predict response tokens are projected (`logits_to_keep`)."""
-    packed = packing.pack(tensors)
-    keep = packed.logit_index
+    packed = packing.pack(tensors, one_row=packing.varlen_attention(model))
+    keep = packed.keep
     if keep.numel() == 0:  # no response token: one logit keeps the graph (and FSDP) connected
         keep = torch.tensor([packed.input_ids.shape[1] - 1], device=keep.device)
     out = model(
@@ -118,11 +118,11 @@ def packed_token_logprobs(
         use_cache=False,
         logits_to_keep=keep,
     )
-    logits = out.logits[0].float()
+    logits = out.logits.reshape(-1, out.logits.shape[-1])[packed.select].float()
     if temperature > 0:
         logits = logits / temperature
     if packed.logit_index.numel() == 0:
-        anchor = logits.sum() * 0.0
+        anchor = out.logits.sum() * 0.0
         zeros = torch.zeros(packed.shape, device=logits.device) + anchor
         return zeros, (zeros.clone() if with_entropy else None)
     logprobs, entropy = _score(logits, packed.targets, with_entropy)

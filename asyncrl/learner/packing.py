@@ -25,6 +25,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,14 +112,19 @@ def pad_fraction(lengths: Sequence[int], width: int | None = None) -> float:
 
 @dataclass(frozen=True)
 class Packed:
-    """One micro-batch as a single packed row plus the map back to the padded layout."""
+    """One micro-batch packed into rows (`pack`) plus the map back to the padded layout."""
 
     input_ids: torch.Tensor
-    """[1, T] the rows' real tokens, concatenated in row order."""
+    """[B, W] the sequences' real tokens, each whole inside one row; a row's tail is padding."""
     position_ids: torch.Tensor
-    """[1, T] 0..L-1 within each sequence (the positions each token has in its padded row)."""
+    """[B, W] 0..L-1 within each sequence (the positions each token has in its padded row);
+    a row's padding tail counts 0, 1, ... again: a segment of its own that no token sees."""
     logit_index: torch.Tensor
-    """[N] packed position whose logit predicts each real response token."""
+    """[N] flat position (row * W + column) whose output predicts each real response token."""
+    keep: torch.Tensor
+    """[K] the columns holding any of those positions (a forward's `logits_to_keep`)."""
+    select: torch.Tensor
+    """[N] each response token's place in the [B, K] outputs at `keep`, flattened."""
     targets: torch.Tensor
     """[N] the response token ids those logits score."""
     rows: torch.Tensor
@@ -134,30 +140,74 @@ def real_lengths(attention_mask: torch.Tensor) -> list[int]:
     return [int(n) for n in attention_mask.sum(dim=-1).tolist()]
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> Packed:
+def fill_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Sequences (indices into `lengths`) laid into rows of at most `capacity` tokens (one
+    longer sequence alone), first-fit by decreasing length; rows in order of their first
+    sequence, sequences in index order within a row."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for seq in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        n = int(lengths[seq])
+        spot = next((i for i, load in enumerate(loads) if load + n <= capacity), None)
+        if spot is None:
+            rows.append([seq])
+            loads.append(n)
+        else:
+            rows[spot].append(seq)
+            loads[spot] += n
+    return sorted((sorted(r) for r in rows), key=lambda r: r[0])
+
+
+def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
     """`tensors` (the collated layout: left-padded prompt | right-padded response, see
-    `asyncrl.types.collate`) as one packed row. A response token's logit sits one packed
-    position before the token, inside its own sequence (its prompt is never empty)."""
+    `asyncrl.types.collate`) packed. `one_row`: every sequence in one row, for an attention
+    that reads the boundaries at no cost (flash-attention's varlen kernel). Else rows of the
+    longest sequence's length (`fill_rows`): a dense block-diagonal mask (sdpa, eager) then
+    costs rows x longest², never more than the padded batch's attention, where one row of T
+    tokens would cost T². A response token's logit sits one position before the token, inside
+    its own sequence (its prompt is never empty)."""
     attn = tensors["attention_mask"].bool()
-    rows, resp_len = tensors["response_mask"].shape
+    n_rows, resp_len = tensors["response_mask"].shape
     prompt_len = attn.shape[1] - resp_len
-    ids = tensors["input_ids"][attn]
-    # Positions as collate makes them (cumsum - 1 over the real tokens): 0..L-1 per sequence.
-    positions = (attn.long().cumsum(dim=-1) - 1)[attn]
-    flat = torch.full(attn.shape, -1, dtype=torch.long, device=attn.device)
-    flat[attn] = torch.arange(ids.numel(), device=attn.device)
-    resp = attn[:, prompt_len:]
-    r, c = resp.nonzero(as_tuple=True)
+    lengths = real_lengths(attn)
+    layout = [list(range(n_rows))] if one_row else fill_rows(lengths, max(lengths, default=1))
+    width = max((sum(lengths[s] for s in row) for row in layout), default=1)
+    # Where each padded (row, column) lands in the packed [B, W] rows, flat; -1: padding.
+    starts = torch.zeros(n_rows, dtype=torch.long)
+    for b, row in enumerate(layout):
+        offset = b * width
+        for seq in row:
+            starts[seq] = offset
+            offset += lengths[seq]
+    device = attn.device
+    real_pos = attn.long().cumsum(dim=-1) - 1  # 0..L-1 per sequence, as collate makes them
+    flat = torch.where(attn, starts.to(device)[:, None] + real_pos, -1)
+    ids = torch.zeros(len(layout) * width, dtype=tensors["input_ids"].dtype, device=device)
+    ids[flat[attn]] = tensors["input_ids"][attn]
+    positions = torch.arange(len(layout) * width, device=device) % width  # the padding tails
+    positions = positions - _tail_start(layout, lengths, width, device)
+    positions[flat[attn]] = real_pos[attn]
+    r, c = attn[:, prompt_len:].nonzero(as_tuple=True)
     index = flat[:, prompt_len:][r, c] - 1
+    keep, where = torch.unique(index % width, return_inverse=True)
     return Packed(
-        input_ids=ids[None],
-        position_ids=positions[None],
+        input_ids=ids.view(len(layout), width),
+        position_ids=positions.view(len(layout), width),
         logit_index=index,
+        keep=keep,
+        select=(index // width) * keep.numel() + where,
         targets=ids[index + 1],
         rows=r,
         cols=c,
-        shape=(rows, resp_len),
+        shape=(n_rows, resp_len),
     )
+
+
+def _tail_start(layout: list[list[int]], lengths: Sequence[int], width: int, device) -> Any:
+    """[B * W]: per flat position, the column where its row's padding tail starts (so the tail
+    counts 0, 1, ...); real positions are overwritten by the caller."""
+    ends = torch.tensor([sum(lengths[s] for s in row) for row in layout], device=device)
+    return ends.repeat_interleave(width)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -171,11 +221,19 @@ def packed_hidden_states(trunk: torch.nn.Module, tensors: dict[str, torch.Tensor
     """[B, R, H] last hidden states at the positions that predict each response token (what a
     value head reads, `asyncrl.learner.critic`), from one packed forward of a transformer trunk
     (`AutoModel`: `last_hidden_state` out); 0.0 where a row has no real token."""
-    packed = pack(tensors)
+    packed = pack(tensors, one_row=varlen_attention(trunk))
     out = trunk(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
         attention_mask=None,  # boundaries come from position_ids (module docstring)
         use_cache=False,
     )
-    return unpack(out.last_hidden_state[0, packed.logit_index], packed)
+    hidden = out.last_hidden_state
+    return unpack(hidden.reshape(-1, hidden.shape[-1])[packed.logit_index], packed)
+
+
+def varlen_attention(model: torch.nn.Module) -> bool:
+    """Whether `model` attends with flash-attention's varlen kernel (boundaries at no cost: one
+    packed row), as its config says; else packed rows stay as short as the longest sequence."""
+    config = getattr(model, "config", None)
+    return "flash_attention" in str(getattr(config, "_attn_implementation", None) or "")
