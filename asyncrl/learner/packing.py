@@ -8,7 +8,9 @@ Three pure steps, none of which knows about the loss:
    data-parallel ranks (`micro_batches`) every rank gets the SAME number of micro-batches (the
    maximum over the default process group, empty ones allowed): under FSDP2 every forward and
    backward is a collective, so a rank with fewer would hang the others.
-2. `pack`: the micro-batch's real tokens concatenated into one row, `position_ids` restarting
+2. `pack`: the micro-batch's real tokens concatenated into one row (flash-attention's varlen
+   kernel), or into rows as long as its longest sequence (sdpa, eager: their block-diagonal
+   mask is dense, so one row of T tokens would cost T² attention), `position_ids` restarting
    at 0 for every sequence and no attention mask. transformers (≥ 4.53, checked on 5.23) reads
    sequence boundaries from such position ids: `masking_utils.find_packed_sequence_indices`
    builds a block-diagonal causal mask for sdpa/eager/flex, and flash_attention_2 takes the
@@ -25,7 +27,6 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -203,7 +204,9 @@ def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
     )
 
 
-def _tail_start(layout: list[list[int]], lengths: Sequence[int], width: int, device) -> Any:
+def _tail_start(
+    layout: list[list[int]], lengths: Sequence[int], width: int, device: torch.device
+) -> torch.Tensor:
     """[B * W]: per flat position, the column where its row's padding tail starts (so the tail
     counts 0, 1, ...); real positions are overwritten by the caller."""
     ends = torch.tensor([sum(lengths[s] for s in row) for row in layout], device=device)
