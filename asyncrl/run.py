@@ -20,7 +20,6 @@ from typing import Any
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
 from asyncrl.data.prompts import PromptSource
-from asyncrl.device import DriverThreads, ThreadBudget, ThreadShare
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.learner.placement import RankPlacement
 from asyncrl.learner.profiler import profile_step
@@ -35,6 +34,7 @@ from asyncrl.replay.filters import dapo_zero_variance
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 from asyncrl.rollout.evaluation import Evaluator
 from asyncrl.rollout.settings import RolloutSettings
+from asyncrl.threads import DriverThreads, ThreadBudget, ThreadShare
 from asyncrl.weights.lora_native import native_lora
 
 
@@ -316,7 +316,8 @@ def resume(
 def thread_budget(cfg: Config) -> ThreadBudget:
     """The run's CPU thread budget (`threads`) over the learner's ranks and the hf engines this
     host starts, printed once."""
-    from asyncrl.device import detect_device, plan_threads, usable_cores, worker_device
+    from asyncrl.device import detect_device, worker_device
+    from asyncrl.threads import plan_threads, usable_cores
 
     infer, train_cfg, t = cfg.actor_infer, cfg.actor_train, cfg.threads
     multinode = bool(cfg.cluster.address.strip())

@@ -44,7 +44,7 @@ from common import (
 from asyncrl.algo.importance import RolloutIS, apply_rollout_is
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.algo.rejection import rejection_mask
-from asyncrl.device import torch_threads
+from asyncrl.threads import torch_threads
 
 FULL_SHAPES = "256x4096,64x16384"
 SMOKE_SHAPES = "16x256"

@@ -180,8 +180,8 @@ def heldout_accuracy(model_dir: Path, rows: list[dict], cfg: Any, threads: int =
     """Greedy accuracy of the HF model in `model_dir`: the one evaluator for every system."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.device import torch_threads
     from asyncrl.models.tiny import evaluate_accuracy
+    from asyncrl.threads import torch_threads
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -41,7 +41,7 @@ from common import (
     print_table,
 )
 
-from asyncrl.device import torch_threads
+from asyncrl.threads import torch_threads
 
 PROMPT_LEN = 32
 MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded size

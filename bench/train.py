@@ -43,7 +43,7 @@ from common import (
     print_table,
 )
 
-from asyncrl.device import torch_threads
+from asyncrl.threads import torch_threads
 
 FULL_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4)  # embedded
 SMOKE_MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)

@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.schema import StrategyArgs, WorkerConfig
-from asyncrl.device import (
+from asyncrl.threads import (
     DriverThreads,
     ThreadBudgetError,
     ThreadShare,

@@ -91,7 +91,7 @@ def one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
 def check_threads(learner: int | str, engine: int | str) -> None:
     """`threads.learner` / `threads.engine`: auto, or 1 .. the usable cores of this machine
     (more threads than cores in one process only slows it down)."""
-    from asyncrl.device import ThreadBudgetError, plan_threads, usable_cores
+    from asyncrl.threads import ThreadBudgetError, plan_threads, usable_cores
 
     try:
         plan_threads(usable_cores(), 1, 1, learner, engine)

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config.schema import ClusterConfig, WeightSyncConfig, WorkerConfig
-from asyncrl.device import DeviceSpec, ThreadShare, resolve_backend, torch_dtype
+from asyncrl.device import DeviceSpec, resolve_backend, torch_dtype
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.health import HealthMonitor
 from asyncrl.engine.process import ServerHandle
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
+from asyncrl.threads import ThreadShare
 from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
 from asyncrl.weights.sync import WeightSender, WeightSource
 

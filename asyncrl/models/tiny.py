@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import EMBEDDED_TASK, ArithmeticTask, make_rows
-from asyncrl.device import torch_threads
 from asyncrl.logs import StepProgress
 from asyncrl.models import mix as mixes
 from asyncrl.models.generate import (  # noqa: F401 - re-exported: the model's evaluation API
@@ -32,6 +31,7 @@ from asyncrl.models.generate import (  # noqa: F401 - re-exported: the model's e
     greedy_responses,
     render_prompts,
 )
+from asyncrl.threads import torch_threads
 
 # Bump when a change here alters what gets built: it is part of the cache key.
 CODE_VERSION = 1

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import WorkerConfig
-from asyncrl.device import SPECS, ThreadShare
+from asyncrl.device import SPECS
 from asyncrl.engine.process import API_KEY_ENV, EngineLaunchError, ServerHandle, popen
 from asyncrl.net import advertised_host, free_port, url_host
+from asyncrl.threads import ThreadShare
 
 
 def launch_hf_server(
@@ -97,7 +98,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 120.0) -> ServerHandle
 class HFLauncher:
     """asyncrl's own transformers server (`hf_infer`): one CPU process per engine, bound to
     `host` (loopback unless `cluster.bind_host` says otherwise). `threads[i]`: engine i's share
-    of the run's thread budget (`device.plan_threads`; empty: torch's default, unpinned)."""
+    of the run's thread budget (`threads.plan_threads`; empty: torch's default, unpinned)."""
 
     def __init__(
         self,

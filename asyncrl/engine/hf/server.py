@@ -32,13 +32,13 @@ import uuid
 
 from aiohttp import web
 
-from asyncrl.device import ThreadShare, apply_thread_share
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, show
 from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
 from asyncrl.engine.hf.protocol import field, group_init, parse_generate, read_json, version
 from asyncrl.engine.hf.weights import WeightReceiver
 from asyncrl.engine.process import API_KEY_ENV
 from asyncrl.engine.versions import HF_SERVER_VERSION
+from asyncrl.threads import ThreadShare, apply_thread_share
 
 log = logging.getLogger("asyncrl.engine.hf.server")
 HEALTH_TIMEOUT_S = 20.0

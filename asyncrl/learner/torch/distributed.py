@@ -25,19 +25,13 @@ from typing import Any
 
 import torch
 
-from asyncrl.device import (
-    DeviceSpec,
-    ThreadShare,
-    apply_thread_share,
-    detect_device,
-    device_spec,
-    select_device,
-)
+from asyncrl.device import DeviceSpec, detect_device, device_spec, select_device
 from asyncrl.learner.objective import check_learner_side
 from asyncrl.learner.placement import RankPlacement, Rendezvous
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.learner import TorchLearner
+from asyncrl.threads import ThreadShare, apply_thread_share
 
 
 def rank_devices(
