@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.async_checks import check_async
 from asyncrl.config.cluster_checks import check_cluster
 from asyncrl.config.learner_checks import (
     check_critic,
@@ -51,7 +52,6 @@ from asyncrl.config.schema import (
     TrainingArgs,
     WorkerConfig,
 )
-from asyncrl.config.sync_checks import check_overlap, check_pause_mode
 from asyncrl.config.verl_actor import check_actor as check_verl_actor
 
 
@@ -65,9 +65,7 @@ def validate(cfg: Config) -> None:
         if worker is not None:
             _check_worker(role, worker)
     _check_algorithm(cfg)
-    _check_stale_policy(cfg)
-    check_pause_mode(cfg)
-    check_overlap(cfg)
+    check_async(cfg)
     check_critic(cfg)
     check_kl_in_reward(cfg)
     _check_actor(cfg)
@@ -301,38 +299,6 @@ def _check_algorithm(cfg: Config) -> None:
         raise ConfigError(
             f"algorithm.overlong_buffer_len ({alg.overlong_buffer_len}) must be below "
             f"response_length ({cfg.response_length})"
-        )
-
-
-def _check_stale_policy(cfg: Config) -> None:
-    """`stale_policy: correct` trains groups past max_staleness, sound only when the learner's
-    rollout IS reweights them by pi_prox / pi_behaviour (`learner/objective.py:correct`) per
-    sequence (or geometric mean), vetoing catastrophic ratios: a token-level weight leaves the
-    product of a long stale response's ratios uncorrected."""
-    a, alg = cfg.async_, cfg.algorithm
-    positive("async.max_staleness_hard", a.max_staleness_hard, allow_zero=True)
-    if a.stale_policy != "correct":
-        return
-    if a.max_staleness_hard < a.max_staleness:
-        raise ConfigError(
-            f"async.max_staleness_hard ({a.max_staleness_hard}) must be >= async.max_staleness "
-            f"({a.max_staleness}) with stale_policy correct"
-        )
-    problems = [
-        what
-        for bad, what in (
-            (alg.correction_mode == "bypass", "algorithm.correction_mode must not be bypass"),
-            (alg.rollout_is_threshold is None, "algorithm.rollout_is_threshold must be set"),
-            (not alg.rollout_is, "algorithm.rollout_is must be true"),
-            (alg.rollout_is_level == "token", "algorithm.rollout_is_level: sequence|geometric"),
-            (alg.rollout_is_veto_threshold is None, "algorithm.rollout_is_veto_threshold: set"),
-        )
-        if bad
-    ]
-    if problems:
-        raise ConfigError(
-            "async.stale_policy correct trains groups past max_staleness with rollout IS, "
-            f"which this config does not apply: {'; '.join(problems)}"
         )
 
 
