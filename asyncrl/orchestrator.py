@@ -261,9 +261,9 @@ class Orchestrator:
         metrics returned are those of the sync that ended here: this one, or the overlapped
         one before it ({} when none)."""
         landed = self.land_sync()
-        version = self.learner.version
         if not (overlap and self.overlap):
             return self._healed(lambda: self.fleet.sync(self.learner))
+        version = self.learner.version
         opened = lambda: self.queue.set_version(version)  # noqa: E731 - on the control loop
         self._pending = (self.fleet.start_sync(self.learner, then=opened), version)
         return landed

@@ -234,8 +234,8 @@ class WeightSyncConfig:
     bound is unchanged. Steps that evaluate, and the last, wait for their sync. never: every
     sync waits. auto: always for a one-process learner on the CPU (the copy is host memory)
     at `async.max_staleness` >= 2 (at 1 a version's prompts start only once its sync lands:
-    overlapping leaves the engines less time, measured slower), else never. Refused with `async.stale_policy: wait` (its gate reads the version admission
-    opened)."""
+    overlapping leaves the engines less time, measured slower), else never. Refused with
+    `async.stale_policy: wait` (its gate reads the version admission opened)."""
 
 
 @dataclass

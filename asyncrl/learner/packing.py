@@ -172,21 +172,23 @@ def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
     prompt_len = attn.shape[1] - resp_len
     lengths = real_lengths(attn)
     layout = [list(range(n_rows))] if one_row else fill_rows(lengths, max(lengths, default=1))
-    width = max((sum(lengths[s] for s in row) for row in layout), default=1)
-    # Where each padded (row, column) lands in the packed [B, W] rows, flat; -1: padding.
-    starts = torch.zeros(n_rows, dtype=torch.long)
+    loads = [sum(lengths[s] for s in row) for row in layout]
+    width = max(loads, default=1)
+    # Where each sequence starts in the packed [B, W] rows, flat.
+    starts = [0] * n_rows
     for b, row in enumerate(layout):
         offset = b * width
         for seq in row:
-            starts[seq] = offset
-            offset += lengths[seq]
+            starts[seq], offset = offset, offset + lengths[seq]
     device = attn.device
     real_pos = attn.long().cumsum(dim=-1) - 1  # 0..L-1 per sequence, as collate makes them
-    flat = torch.where(attn, starts.to(device)[:, None] + real_pos, -1)
+    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+    flat = torch.where(attn, start + real_pos, -1)  # -1: padding
     ids = torch.zeros(len(layout) * width, dtype=tensors["input_ids"].dtype, device=device)
     ids[flat[attn]] = tensors["input_ids"][attn]
-    positions = torch.arange(len(layout) * width, device=device) % width  # the padding tails
-    positions = positions - _tail_start(layout, lengths, width, device)
+    # A row's padding tail counts 0, 1, ... from where its sequences end: a segment of its own.
+    tail = torch.arange(width, device=device) - torch.tensor(loads, device=device)[:, None]
+    positions = tail.reshape(-1)
     positions[flat[attn]] = real_pos[attn]
     r, c = attn[:, prompt_len:].nonzero(as_tuple=True)
     index = flat[:, prompt_len:][r, c] - 1
@@ -202,15 +204,6 @@ def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
         cols=c,
         shape=(n_rows, resp_len),
     )
-
-
-def _tail_start(
-    layout: list[list[int]], lengths: Sequence[int], width: int, device: torch.device
-) -> torch.Tensor:
-    """[B * W]: per flat position, the column where its row's padding tail starts (so the tail
-    counts 0, 1, ...); real positions are overwritten by the caller."""
-    ends = torch.tensor([sum(lengths[s] for s in row) for row in layout], device=device)
-    return ends.repeat_interleave(width)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -197,8 +197,10 @@ class WeightReceiver:
         """The bucket's tensors as views into the staging buffer (a buffer of their own when
         `hold`: the next bucket reuses the staging one): one broadcast of the whole buffer
         (flattened_bucket) or one per tensor, in order (the sender's two layouts)."""
-        own = torch.empty(total, dtype=torch.uint8, device=device) if hold else None
-        buf = own if own is not None else self.staging.get(total, device)
+        if hold:
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+        else:
+            buf = self.staging.get(total, device)
         tensors = unflatten_bucket(buf, dtypes, shapes)
         broadcast([buf] if load_format == "flattened_bucket" else tensors, pg, src=0)
         return tensors

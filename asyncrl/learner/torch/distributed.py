@@ -3,12 +3,13 @@
 Rank 0 is a `TorchLearner` in the driver process (so weight sync and checkpoints stay where they
 are); ranks 1..W-1 are Ray actors. On the CPU the ranks meet over gloo; on a node's GPUs/NPUs
 each rank computes on its `actor_train.device_mapping` entry (`rank_devices`) and the group
-runs NCCL/HCCL for device tensors, gloo for CPU ones. Every `step` hands the whole batch to every rank; each trains
-on its rows (row r on rank r % W) while FSDP2 all-gathers the parameters of each layer for its
-forward/backward and reduce-scatters the gradients, so each rank holds 1/W of the parameters,
-gradients and optimizer state. Since every forward, backward and full-tensor gather is a
-collective, whatever rank 0 does with the model the remote ranks do concurrently, in the same
-order: `weights_for_sync` (and the HF export) make them run the same gathers and discard them.
+runs NCCL/HCCL for device tensors, gloo for CPU ones. Every `step` hands the whole batch to
+every rank; each trains on its rows (row r on rank r % W) while FSDP2 all-gathers the
+parameters of each layer for its forward/backward and reduce-scatters the gradients, so each
+rank holds 1/W of the parameters, gradients and optimizer state. Since every forward,
+backward and full-tensor gather is a collective, whatever rank 0 does with the model the
+remote ranks do concurrently, in the same order: `weights_for_sync` (and the HF export) make
+them run the same gathers and discard them.
 
 Two groups per process: the training group (the default process group: forwards, backwards,
 metrics) and a checkpoint group (gloo) that DCP uses, so a checkpoint written in the background
