@@ -43,7 +43,6 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from asyncrl.device import select_device
 from asyncrl.net import free_port, route_ip
 
 BACKENDS = ("gloo", "nccl", "hccl")
@@ -329,8 +328,11 @@ def staging_device(backend: str, home: torch.device | None) -> torch.device:
 def _use_device_of(tensors: list[torch.Tensor]) -> None:
     """Make the tensors' accelerator this thread's current device: NCCL/HCCL create their
     communicator and streams on the current device, and a sender thread starts on device 0."""
-    if tensors:
-        select_device(str(tensors[0].device))
+    device = tensors[0].device if tensors else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device is not None and device.type == "npu":
+        torch.npu.set_device(device)  # type: ignore[attr-defined]
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:
