@@ -159,6 +159,19 @@ def test_batched_body_and_stop_token(server, tiny):
     assert_logprobs_match(tiny[1], [3, 4], out, 0.0)
 
 
+def test_a_groups_shared_prompt_is_prefilled_once_and_each_sample_is_its_own(server, tiny):
+    """A group's samples share a prompt: the engine runs it once and copies its KV to every
+    row (`HFEngine._prefill`). Each row's logprobs must still match a from-scratch forward of
+    its own tokens (a wrong copy would mismatch), and the rows draw independently."""
+    prompts = [[3, 4, 5]] * 3 + [[9, 10]]
+    params = {"max_new_tokens": 12, "temperature": 1.3, "ignore_eos": True}
+    reqs = [GenerateRequest(p, params) for p in prompts]
+    outs = run(_with_client(server.url, lambda c: c.generate(reqs)))
+    for p, o in zip(prompts, outs):
+        assert_logprobs_match(tiny[1], p, o, 1.3)
+    assert len({tuple(o.output_ids) for o in outs[:3]}) > 1  # 3 draws of 12 tokens at T 1.3
+
+
 def test_determinism(server, tiny):
     greedy = GenerateRequest([4, 5, 6], {"max_new_tokens": 12, "temperature": 0})
     seeded = GenerateRequest([4, 5, 6], {"max_new_tokens": 12, "sampling_seed": 123})

@@ -292,16 +292,26 @@ class HFEngine:
         return out.logits[:, -1, :], kv
 
     def _prefill(self, seqs: list[Seq]) -> KVBatch | None:
-        rows = [s.tokens() for s in seqs]  # retracted requests resume from their partial output
-        width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(rows):
+        # retracted requests resume from their partial output
+        rows = [tuple(s.tokens()) for s in seqs]
+        # A group's n samples share one prompt: each distinct row runs once and every request
+        # gets its own copy of that row's KV and logits (the same inputs give the same values;
+        # the prefill is the engine's costliest forward, n x cheaper this way).
+        first: dict[tuple[int, ...], int] = {}
+        inverse = [first.setdefault(r, len(first)) for r in rows]
+        width = max(len(r) for r in first)
+        ids = torch.zeros(len(first), width, dtype=torch.long)
+        mask = torch.zeros(len(first), width, dtype=torch.long)
+        for i, r in enumerate(first):
             ids[i, width - len(r) :] = torch.tensor(r)
             mask[i, width - len(r) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, kv = self._forward(ids, mask, pos, None)
+        if len(first) < len(rows):
+            idx = torch.tensor(inverse, device=self.device)
+            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
+            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
         batch = KVBatch(seqs, kv, mask, lengths, torch.zeros_like(lengths))
         return self._sample_and_retire(batch, logits)
