@@ -149,7 +149,8 @@ class StrategyArgs:
     """Backend: fsdp2_train | megatron_train (train), sglang | hf_infer (infer); reference:
     fsdp2_train | hf_infer | megatron_infer (all computed inside the learner's process)."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
-    """Passed through to the backend (Megatron parallel sizes, SGLang server args, ...)."""
+    """Passed through to the backend (Megatron parallel sizes, SGLang server args, ...). hf_infer
+    reads `max_batch_size`: the sequences one engine decodes together (default 256)."""
 
 
 @dataclass
