@@ -253,19 +253,21 @@ class Orchestrator:
             f"last rollout error: {self.dispatcher.last_error or 'none'}{self.pump.diagnosis()}"
         )
 
-    def sync_weights(self, overlap: bool = False) -> dict[str, float]:
+    def sync_weights(self, overlap: bool = False, eval_engine: bool = True) -> dict[str, float]:
         """Broadcast the learner's weights; an engine that died mid-sync is relaunched and the
         whole fleet re-synced (heal), any other failure propagates with its engine named.
         `overlap` (where the run allows it): from a copy taken now, while the learner goes on;
         admission for its version opens when every engine holds it (`open_admission`). The
         metrics returned are those of the sync that ended here: this one, or the overlapped
-        one before it ({} when none)."""
+        one before it ({} when none). `eval_engine` False: a dedicated evaluation engine is
+        left at the version it evaluates (`EngineFleet.sync`)."""
         landed = self.land_sync()
         if not (overlap and self.overlap):
-            return self._healed(lambda: self.fleet.sync(self.learner))
+            return self._healed(lambda: self.fleet.sync(self.learner, eval_engine))
         version = self.learner.version
         opened = lambda: self.queue.set_version(version)  # noqa: E731 - on the control loop
-        self._pending = (self.fleet.start_sync(self.learner, then=opened), version)
+        future = self.fleet.start_sync(self.learner, then=opened, eval_engine=eval_engine)
+        self._pending = (future, version)
         return landed
 
     def land_sync(self) -> dict[str, float]:

@@ -92,11 +92,12 @@ def train(
             step += 1
             metrics.update(startup_metrics(started, budget) if step == begun + 1 else {})
             audit.append(step, groups)
-            if sync_due(cfg, learner.version, step) or evaluator.due(step):
-                blocked = evaluator.wait_before_sync()  # they are pinned to the engines' version
+            evaluating = evaluator.due(step)  # this step's weights are to be evaluated
+            if sync_due(cfg, learner.version, step) or evaluating:
+                blocked = evaluator.wait_before_sync(evaluating)  # pinned to their engines' version
                 idle += blocked
-                overlap = not evaluator.due(step) and step < cfg.max_steps  # the next step trains
-                metrics.update(rollout.sync_weights(overlap))  # meanwhile (weight_sync.overlap)
+                overlap = not evaluating and step < cfg.max_steps  # the next step trains meanwhile
+                metrics.update(rollout.sync_weights(overlap, evaluating))  # (weight_sync.overlap)
                 metrics["learner/eval_wait_seconds"] = blocked
             rollout.open_admission(learner.version)  # overlapped: once the engines hold it
             metrics.update(batch_metrics(groups, learner.version, idle))

@@ -4,7 +4,7 @@ The real loop with two hf engines on the CPU; in front of each engine server an 
 pass-through records what reaches it (the only thing the test adds: the launcher is wrapped to
 hand out the pass-through's URL, the real server answers). Rollout requests (no priority)
 must reach engine 0 only, evaluation requests (priority `logging.eval_priority`) engine 1
-only, and every weight sync both."""
+only; every weight sync reaches engine 0, the evaluation steps' engine 1 too."""
 
 from __future__ import annotations
 
@@ -144,9 +144,12 @@ def test_dedicated_engine_serves_evaluation_alone(tiny_model, tmp_path):
     assert rollout_engine and not any(is_eval(b) for b in rollout_engine)
     assert all(is_eval(b) for b in eval_engine)  # 3 evaluations x 6 prompts, batched:
     assert sorted(len(b["input_ids"]) for b in eval_engine) == [6, 6, 6]
-    # Weight syncs reach both engines alike (the initial push and one per version here).
+    # The rollout engine gets every version (the initial push and steps 1-4); the evaluation
+    # engine, in a weight group of its own, the initial push and the evaluation steps' (2, 4)
+    # alone, and no sync between two evaluations waited for the one in flight.
     syncs = [p.count("/update_weights_from_distributed") for p in (proxies[0], proxies[1])]
-    assert syncs[0] == syncs[1] > 0
+    assert syncs[1] > 0 and syncs[0] * 3 == syncs[1] * 5, syncs
+    assert all(r["learner/eval_wait_seconds"] == 0.0 for r in rows if r["step"] in (1, 3))
 
 
 class _Handle:

@@ -28,7 +28,7 @@ class Fleet:
         self.started: list[tuple[int, cf.Future, object]] = []
         self.blocking, self.heals = [], 0
 
-    def start_sync(self, source, copy=True, then=None) -> cf.Future:
+    def start_sync(self, source, copy=True, then=None, eval_engine=True) -> cf.Future:
         assert copy  # the learner trains on: the sync must send a copy
         future: cf.Future = cf.Future()
         self.started.append((source.version, future, then))
@@ -43,7 +43,7 @@ class Fleet:
         else:
             future.set_exception(WeightSyncError("engine 0 died mid-sync"))
 
-    def sync(self, source) -> dict:
+    def sync(self, source, eval_engine=True) -> dict:
         self.blocking.append(source.version)
         return {"sync/seconds": 0.125}
 

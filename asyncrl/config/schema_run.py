@@ -33,8 +33,10 @@ class LoggingConfig:
     eval_engine: Literal["shared", "dedicated"] = "shared"
     """Where evaluation generates. shared: on every engine, beside rollout (at
     `eval_priority`). dedicated: on the last engine alone, which rollout workers are never
-    routed to (needs >= 2 engines in actor_infer and eval_interval > 0); it still receives
-    every weight sync, so evaluation stays pinned to the step's version."""
+    routed to (needs >= 2 engines in actor_infer and eval_interval > 0). It meets the learner
+    in a weight group of its own and is synced only at evaluation steps, so evaluation stays
+    pinned to the step's version while the rollout engines' syncs never wait for it (with
+    `weight_sync.master_port` set, that group meets on the next port)."""
     plots: bool = True
     """Write PNG plots and a summary at the end."""
 

@@ -32,7 +32,10 @@ from asyncrl.engine.process import ServerHandle
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.threads import ThreadShare
 from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
-from asyncrl.weights.sync import WeightSender, WeightSource
+from asyncrl.weights.sync import SyncStats, WeightSender, WeightSource
+
+#: The weight group of a dedicated evaluation engine (`logging.eval_engine: dedicated`).
+EVAL_GROUP = "asyncrl_weights_eval"
 
 
 class EngineLauncher(Protocol):
@@ -173,6 +176,14 @@ class EngineFleet:
         # (HMAC'd) rendezvous values; SGLang builds its own plain store.
         seal = infer.strategy_args.strategy_name == "hf_infer"
         self.sender = WeightSender(timeout_s=weight_sync.timeout_s, seal=seal)
+        # A dedicated evaluation engine meets the learner in a weight group of its own and is
+        # synced only at evaluation steps (`sync(eval_engine=True)`): the rollout engines' syncs
+        # between them never wait for the evaluation in flight on it.
+        self.eval_sender = (
+            WeightSender(group_name=EVAL_GROUP, timeout_s=weight_sync.timeout_s, seal=seal)
+            if dedicated_eval
+            else None
+        )
 
     # -- processes ---------------------------------------------------------------------------
     def start(
@@ -216,12 +227,24 @@ class EngineFleet:
     def _init_group(self) -> None:
         ws = self.ws
         self.backend = resolve_backend(ws.backend, self.launcher.device)  # auto: nccl|hccl|gloo
-        tp_sizes = [self.launcher.tp_size] * len(self.clients)  # engine i joins at 1 + i*tp
-        args = (self.clients, self.master_address(), ws.master_port or None, self.backend)
-        self.runner.run(
-            self.sender.init_group(*args, ws.timeout_s, tp_sizes=tp_sizes),
-            timeout=ws.timeout_s + 30,
-        )
+        for k, (sender, clients) in enumerate(self._groups(eval_engine=True)):
+            tp_sizes = [self.launcher.tp_size] * len(clients)  # engine i joins at 1 + i*tp
+            port = ws.master_port + k if ws.master_port else None  # the evaluation's: next one
+            args = (clients, self.master_address(), port, self.backend)
+            self.runner.run(
+                sender.init_group(*args, ws.timeout_s, tp_sizes=tp_sizes),
+                timeout=ws.timeout_s + 30,
+            )
+
+    def _groups(self, eval_engine: bool) -> list[tuple[WeightSender, list[EngineClient]]]:
+        """The weight groups a sync reaches, each with its engines' clients: one of every
+        engine; with a dedicated evaluation engine, the rollout engines' and (`eval_engine`)
+        the evaluation engine's."""
+        if self.eval_sender is None:
+            return [(self.sender, list(self.clients))]
+        rollout = [self.clients[i] for i in self._rollout_engines()]
+        evaluation = [(self.eval_sender, [self.clients[self.eval_index]])] if eval_engine else []
+        return [(self.sender, rollout), *evaluation]
 
     def master_address(self) -> str:
         """Where the update group meets: the learner's (this driver's) node. Multi-node, a
@@ -282,10 +305,12 @@ class EngineFleet:
         self.health.close()
         if self.native is not None:  # unloads still waiting: moot, the engines stop
             self.runner.run(self.native.close(), timeout=10)
-        try:
-            self.runner.run(self.sender.close(), timeout=30)
-        except Exception:  # noqa: BLE001 - engines may be gone already
-            pass
+        for sender in (self.sender, self.eval_sender):
+            try:
+                if sender is not None:
+                    self.runner.run(sender.close(), timeout=30)
+            except Exception:  # noqa: BLE001 - engines may be gone already
+                pass
         for client in self.clients:
             self.runner.run(client.close(), timeout=10)
         for handle in self.handles:
@@ -302,31 +327,48 @@ class EngineFleet:
         )
         return torch_dtype(served) if served else None
 
-    def sync(self, source: WeightSource) -> dict[str, float]:
+    def sync(self, source: WeightSource, eval_engine: bool = True) -> dict[str, float]:
         """Broadcast `source`'s weights into every engine at its version (`lora_sync: native`:
-        load its adapter by name, `weights/lora_native.py`); timing metrics."""
-        return self.start_sync(source, copy=False).result(self.ws.timeout_s * 4)
+        load its adapter by name, `weights/lora_native.py`); timing metrics. `eval_engine`
+        False: not into a dedicated evaluation engine (it keeps the version it evaluates)."""
+        return self.start_sync(source, False, eval_engine=eval_engine).result(self.ws.timeout_s * 4)
 
     def start_sync(
-        self, source: WeightSource, copy: bool = True, then: Callable[[], None] | None = None
+        self,
+        source: WeightSource,
+        copy: bool = True,
+        then: Callable[[], None] | None = None,
+        eval_engine: bool = True,
     ) -> concurrent.futures.Future:
         """`sync` on the control loop, returning at once: a future of its metrics. `copy`: of
         the weights as they are now, taken here (the source may train on meanwhile); `then`:
         called on the control loop once every engine holds them, before the future resolves."""
-        version = source.version
+        version, groups = source.version, self._groups(eval_engine)
         if self.native is not None:
             tensors = _copied(source.adapter_for_sync(), copy)
-            job = self.native.sync(self.clients, tensors, version, self.pause_mode)
+            clients = [c for _, group in groups for c in group]
+            job = self.native.sync(clients, tensors, version, self.pause_mode)
         else:
-            job = self.sender.sync(
-                _copied(self._tensors(source), copy),
-                version,
-                bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
-                load_format=self._load_format(),
-                pause_mode=self.pause_mode,
-                dtype=self._served_dtype(),
-            )
+            copied = _copied(self._tensors(source), True) if copy else None
+            tensors = lambda: self._tensors(source) if copied is None else copied  # noqa: E731
+            job = self._broadcasts([sender for sender, _ in groups], tensors, version)
         return asyncio.run_coroutine_threadsafe(self._synced(job, version, then), self.runner.loop)
+
+    async def _broadcasts(
+        self, senders: list[WeightSender], tensors: Callable[[], Any], version: int
+    ) -> SyncStats:
+        """Each weight group's sync in turn (`tensors()` afresh for each: the learner's
+        weights_for_sync may gather or merge them one at a time); their stats summed."""
+        done = []
+        for sender in senders:
+            done.append(await sender.sync(
+                tensors(), version, bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
+                load_format=self._load_format(), pause_mode=self.pause_mode,
+                dtype=self._served_dtype(),
+            ))  # fmt: skip
+        seconds, nbytes = sum(d.seconds for d in done), sum(d.bytes for d in done)
+        return SyncStats(version, seconds, nbytes, nbytes / max(seconds, 1e-9) / 1e9,
+                         sum(d.buckets for d in done), sum(d.tensors for d in done))  # fmt: skip
 
     async def _synced(self, job: Any, version: int, then: Callable[[], None] | None) -> dict:
         stats = await job

@@ -15,7 +15,10 @@ Pinning: the engines hold one version at a time, so an evaluation of version v m
 the weights of v+1 reach them. `wait_before_sync()` is called before every weight sync and
 blocks until the evaluations in flight are done: an evaluation overlaps the next training step
 (its batch wait and learner step), and the loop waits only for what outlasts that (returned,
-and counted as learner idle by the loop). Every completion's per-token versions are checked:
+and counted as learner idle by the loop). A dedicated evaluation engine has a weight group of
+its own and is synced only at evaluation steps (`EngineFleet.sync(eval_engine=...)`): the
+rollout engines' syncs between two evaluations wait for nothing, and an evaluation has until
+the next evaluation step to finish. Every completion's per-token versions are checked:
 an evaluation that ran (even in part) under another version (an engine relaunched mid-way is
 synced to the learner's newest weights) is dropped and counted (`eval_off_version`), never
 logged against a step whose weights it did not measure. An engine error drops the evaluation
@@ -125,9 +128,12 @@ class Evaluator:
         self.in_flight.append(_InFlight(step, version, time.perf_counter(), future))
         return True
 
-    def wait_before_sync(self) -> float:
+    def wait_before_sync(self, eval_engine: bool = True) -> float:
         """Block until every evaluation in flight is done (their engines must not change
-        version under them); returns the seconds waited."""
+        version under them); returns the seconds waited. A sync that leaves a dedicated
+        evaluation engine out (`eval_engine` False) waits for nothing."""
+        if not eval_engine and self.fleet.eval_index is not None:
+            return 0.0
         start = time.perf_counter()
         timeout = self.s.rollout.request_timeout_s * 2
         for ev in self.in_flight:
