@@ -178,12 +178,20 @@ def test_routing_keeps_rollout_off_the_evaluation_engine(tiny_model, tmp_path, d
         fleet.handles = [_Handle(f"http://127.0.0.1:{9000 + i}") for i in range(2)]  # no launch
         fleet.clients = ["client0", "client1"]  # routing only reads them
         workers = {url for i in range(4) for url in fleet.urls_for_worker(i)}
+        groups = {e: [(s.group_name, c) for s, c in fleet._groups(e)] for e in (True, False)}
         if dedicated:
             assert workers == {"http://127.0.0.1:9000"}
             assert fleet.eval_clients() == ["client1"]
+            # weight groups: the rollout engines', and the evaluation engine's own, which a
+            # sync reaches only when it says so (an evaluation step's)
+            rollout = (fleet.sender.group_name, ["client0"])
+            assert groups[True] == [rollout, ("asyncrl_weights_eval", ["client1"])]
+            assert groups[False] == [rollout]
         else:
             assert workers == {"http://127.0.0.1:9000", "http://127.0.0.1:9001"}
             assert fleet.eval_clients() == ["client0", "client1"]
+            assert fleet.eval_sender is None
+            assert groups[True] == groups[False] == [(fleet.sender.group_name, fleet.clients)]
     finally:
         runner.close()
 
