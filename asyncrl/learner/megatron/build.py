@@ -140,6 +140,13 @@ def virtual_stages(plan: MegatronPlan) -> list[int | None]:
     return list(range(vpp)) if vpp is not None else [None]
 
 
+def current_device(device: DeviceSpec) -> torch.device:
+    """This process's current accelerator of `device`'s kind (`select_device` set it)."""
+    if device.kind == "cpu":
+        return torch.device("cpu")
+    return device.torch_device(getattr(torch, device.kind).current_device())
+
+
 def build_builtin(plan: MegatronPlan, shape: ModelShape, path: Path, device: DeviceSpec,
                   trainable: bool) -> Built:  # fmt: skip
     """GPTModel chunks of this pipeline rank with this rank's HF weight shards loaded."""
@@ -157,6 +164,10 @@ def build_builtin(plan: MegatronPlan, shape: ModelShape, path: Path, device: Dev
         last = ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=vp)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=first,
                          post_process=last, vp_stage=vp, **plan.model)  # fmt: skip
+        # Megatron's parallel layers are made on the current accelerator, a local spec's norm
+        # (torch's RMSNorm) on the default device: the whole chunk goes where it trains, as
+        # Megatron's own get_model does, before the fp16 wrapper, DDP and the optimizer.
+        model.to(current_device(device))
         offset = layout[ps.get_pipeline_model_parallel_rank()][vp or 0][0]
         load_hf_into(model, checkpoint, shape, te, offset)
         if config.bf16 or config.fp16:
