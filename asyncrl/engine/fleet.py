@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from asyncrl.config.schema import ClusterConfig, WeightSyncConfig, WorkerConfig
-from asyncrl.device import DeviceSpec, resolve_backend, torch_dtype
+from asyncrl.device import resolve_backend, torch_dtype
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.health import HealthMonitor
+from asyncrl.engine.launchers import make_launcher
 from asyncrl.engine.process import ServerHandle
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.threads import ThreadShare
@@ -36,80 +36,6 @@ from asyncrl.weights.sync import SyncStats, WeightSender, WeightSource
 
 #: The weight group of a dedicated evaluation engine (`logging.eval_engine: dedicated`).
 EVAL_GROUP = "asyncrl_weights_eval"
-
-
-class EngineLauncher(Protocol):
-    """Starts the engines of one backend family (`actor_infer.strategy_args.strategy_name`)."""
-
-    num_engines: int
-    tp_size: int
-    device: DeviceSpec
-    """Where the engines receive weights (decides the update group's backend)."""
-    api_key: str | None
-    """The key every engine requires (None: no authentication)."""
-
-    def launch(self, index: int, port: int | None = None) -> ServerHandle:
-        """Start (or attach to) engine `index`; a handle with `.url`, `.proc` and `.stop()`."""
-
-    def actor_urls(self, worker_urls: list[str]) -> list[str]:
-        """The URLs rollout workers generate through (a router, or the engines)."""
-
-    def close(self) -> None:
-        """Stop what the launcher started besides the engines (the router)."""
-
-
-def make_launcher(
-    infer: WorkerConfig,
-    model_dir: Path,
-    log_dir: Path,
-    seed: int,
-    api_key: str | None = None,
-    eval_priority: int | None = None,
-    cluster: ClusterConfig | None = None,
-    lora: NativeLora | None = None,
-) -> EngineLauncher:
-    """The launcher for `infer.strategy_args.strategy_name` (hf_infer | sglang).
-    `lora`: `weight_sync.lora_sync: native` (SGLang engines launched with LoRA enabled).
-    `eval_priority`: the evaluation requests' priority (None: no evaluation); SGLang needs its
-    priority scheduler switched on at launch when it differs from rollout's 0, ours does not.
-    With `cluster.address` (multi-node) the engines are Ray actors placed on the cluster's
-    nodes, each running this same launcher on its node (`engine/placement.py`)."""
-    cluster = cluster or ClusterConfig()
-    args = (infer, model_dir, log_dir, seed, api_key, eval_priority, cluster.bind_host, lora)
-    local = local_launcher(*args)
-    if not cluster.address.strip():
-        return local
-    from asyncrl.engine.placement import PlacedLauncher
-
-    return PlacedLauncher(local, functools.partial(local_launcher, *args), cluster)
-
-
-def local_launcher(
-    infer: WorkerConfig,
-    model_dir: Path,
-    log_dir: Path,
-    seed: int,
-    api_key: str | None,
-    eval_priority: int | None,
-    host: str,
-    lora: NativeLora | None = None,
-) -> EngineLauncher:
-    """The backend's own launcher: servers on this node, bound to `host`."""
-    name = infer.strategy_args.strategy_name
-    if name == "hf_infer":
-        from asyncrl.engine.hf.launch import HFLauncher
-
-        return HFLauncher(infer, model_dir, log_dir, seed, api_key, host=host)
-    if name == "sglang":
-        from asyncrl.device import detect_device
-        from asyncrl.engine.sglang import LoraServing, SGLangLauncher
-
-        serving = LoraServing(lora.rank, lora.target_modules) if lora else None
-        return SGLangLauncher(
-            infer, model_dir, log_dir, seed, detect_device(), api_key,
-            eval_priority=eval_priority, host=host, lora=serving,
-        )  # fmt: skip
-    raise ValueError(f"actor_infer.strategy_args.strategy_name {name!r}: expected hf_infer|sglang")
 
 
 class EngineFleet:
@@ -121,7 +47,8 @@ class EngineFleet:
     from /health_generate within `health_timeout_s`); a check round starts at most every
     `health_interval_s`. `dedicated_eval` (`logging.eval_engine: dedicated`): the last engine
     serves evaluation alone (`eval_clients`); rollout workers are never routed to it
-    (`urls_for_worker`), while syncs, health checks and healing reach it like any other."""
+    (`urls_for_worker`); it has a weight group of its own, which a sync reaches only when it
+    says so (`eval_engine`), while health checks and healing reach it like any other."""
 
     def __init__(
         self,
@@ -350,19 +277,24 @@ class EngineFleet:
             job = self.native.sync(clients, tensors, version, self.pause_mode)
         else:
             copied = _copied(self._tensors(source), True) if copy else None
-            tensors = lambda: self._tensors(source) if copied is None else copied  # noqa: E731
-            job = self._broadcasts([sender for sender, _ in groups], tensors, version)
+            job = self._broadcasts([s for s, _ in groups], source, copied, version)
         return asyncio.run_coroutine_threadsafe(self._synced(job, version, then), self.runner.loop)
 
     async def _broadcasts(
-        self, senders: list[WeightSender], tensors: Callable[[], Any], version: int
+        self,
+        senders: list[WeightSender],
+        source: WeightSource,
+        copied: list | None,
+        version: int,
     ) -> SyncStats:
-        """Each weight group's sync in turn (`tensors()` afresh for each: the learner's
-        weights_for_sync may gather or merge them one at a time); their stats summed."""
+        """Each weight group's sync in turn, of `copied` or else of `source`'s tensors afresh
+        for each (the learner's weights_for_sync may gather or merge them one at a time);
+        their stats summed. `version` was read when the sync started (the learner trains on)."""
         done = []
         for sender in senders:
+            tensors = self._tensors(source) if copied is None else copied
             done.append(await sender.sync(
-                tensors(), version, bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
+                tensors, version, bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
                 load_format=self._load_format(), pause_mode=self.pause_mode,
                 dtype=self._served_dtype(),
             ))  # fmt: skip

@@ -292,11 +292,9 @@ class HFEngine:
         return out.logits[:, -1, :], kv
 
     def _prefill(self, seqs: list[Seq]) -> KVBatch | None:
-        # retracted requests resume from their partial output
-        rows = [tuple(s.tokens()) for s in seqs]
-        # A group's n samples share one prompt: each distinct row runs once and every request
-        # gets its own copy of that row's KV and logits (the same inputs give the same values;
-        # the prefill is the engine's costliest forward, n x cheaper this way).
+        rows = [tuple(s.tokens()) for s in seqs]  # a retracted one: with its partial output
+        # A group's n samples share one prompt: each distinct row runs once (the costliest
+        # forward, n x cheaper) and every request gets a copy of that row's KV and logits.
         first: dict[tuple[int, ...], int] = {}
         inverse = [first.setdefault(r, len(first)) for r in rows]
         width = max(len(r) for r in first)
