@@ -85,6 +85,8 @@ def to_overrides(choice: dict[str, Any], models: type[Models] = Models) -> list[
         elif path == "logging.eval_engine" and value == "dedicated":  # 2 engines, evaluations
             out += [f"{path}={value}", "actor_infer.device_mapping=[0,1]"]
             out += ["logging.eval_interval=1", "logging.eval_size=4"]  # small: env runs play 2x
+        elif path == "logging.eval_sync" and value == "pinned":  # evaluations to pin
+            out += [f"{path}={value}", "logging.eval_interval=1", "logging.eval_size=4"]
         else:
             out.append(f"{path}={value}")
     return out
@@ -210,8 +212,10 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
         assert json.loads((out / "profile" / "step_1.json").read_text())["traceEvents"]
     ranks = 2 if choice.get("actor_train.device_mapping") == "[0,1]" else 1
     assert all(r.get("learner/world_size", 1.0) == ranks for r in rows)
-    if choice.get("logging.eval_engine") == "dedicated":  # on its own engine, every step
+    evaluated = (choice.get("logging.eval_engine"), choice.get("logging.eval_sync"))
+    if "dedicated" in evaluated or "pinned" in evaluated:  # every step, on its own weights
         assert all(r["eval/version"] == r["step"] for r in rows), _seen(rows, "eval/version")
+        assert not any(r.get("rollout/eval_failures") for r in rows), _seen(rows, "eval")
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
 

@@ -137,8 +137,13 @@ def _check_loop(cfg: Config) -> None:
 
 
 def _check_eval_engine(cfg: Config) -> None:
-    """`logging.eval_engine: dedicated` takes the last engine from rollout: one must be left."""
+    """`logging.eval_engine: dedicated` takes the last engine from rollout: one must be left.
+    `logging.eval_sync: pinned` needs engines that keep pinned versions (asyncrl's hf)."""
     infer, log = cfg.actor_infer, cfg.logging
+    engine = infer.strategy_args.strategy_name
+    if log.eval_sync == "pinned" and engine != "hf_infer":
+        raise ConfigError(f"logging.eval_sync: pinned needs hf_infer engines (they keep a pinned "
+                          f"version's weights); {engine} holds one version at a time: use wait")  # fmt: skip
     if log.eval_engine != "dedicated":
         return
     urls = infer.strategy_args.strategy_config.get("server_urls") or []  # attached servers

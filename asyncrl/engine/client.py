@@ -42,7 +42,7 @@ from asyncrl.engine.replies import (
     one_line,
     parse_completion,
 )
-from asyncrl.engine.versions import EngineProfile, profile_for, seed_warning
+from asyncrl.engine.versions import PIN_KEY, EngineProfile, profile_for, seed_warning
 from asyncrl.weights.lora_names import adapter_name
 
 __all__ = ["FINISH_TYPES", "Completion", "EngineClient", "EngineError", "EngineReplyError"]
@@ -151,25 +151,36 @@ class EngineClient:
 
     # ---- generation ------------------------------------------------------------------------
     async def generate_one(
-        self, req: GenerateRequest | dict, *, priority: int | None = None
+        self, req: GenerateRequest | dict, *, priority: int | None = None, pin: int | None = None
     ) -> Completion:
         """One request: a GenerateRequest or a dict with the same keys. `priority`: SGLang's
         scheduling priority (larger first; honoured by SGLang only with
-        `--enable-priority-scheduling`, always by the hf server); None sends none."""
-        return (await self._generate([as_request(self.url, req)], False, priority))[0]
+        `--enable-priority-scheduling`, always by the hf server); None sends none. `pin`: as
+        `generate`'s."""
+        return (await self._generate([as_request(self.url, req)], False, priority, pin))[0]
 
     async def generate(
-        self, requests: Sequence[GenerateRequest | dict], *, priority: int | None = None
+        self,
+        requests: Sequence[GenerateRequest | dict],
+        *,
+        priority: int | None = None,
+        pin: int | None = None,
     ) -> list[Completion]:
         """The requests as ONE batched /generate (SGLang's list form of `input_ids`, with
         per-item `sampling_params`, `return_logprob`, `rid` and `extra_key`): one HTTP round
         trip and one parse for a whole group instead of one per sample. The engine schedules
-        every item as its own request; the replies come back in order, each checked alone."""
+        every item as its own request; the replies come back in order, each checked alone.
+        `pin`: only weight version `pin` may serve them (engines whose profile has
+        `pinned_versions`; see `versions.PIN_KEY`)."""
         reqs = [as_request(self.url, r) for r in requests]
-        return await self._generate(reqs, True, priority) if reqs else []
+        return await self._generate(reqs, True, priority, pin) if reqs else []
 
     async def _generate(
-        self, reqs: list[GenerateRequest], batched: bool, priority: int | None
+        self,
+        reqs: list[GenerateRequest],
+        batched: bool,
+        priority: int | None,
+        pin: int | None = None,
     ) -> list[Completion]:
         """POST /generate with every body key each request needs: the cache namespace of the
         requests without an `extra_key` of their own, the priority, the adapter; a refused
@@ -178,6 +189,8 @@ class EngineClient:
         body = generate_body(reqs, batched)
         if priority is not None:
             body["priority"] = priority
+        if pin is not None:
+            body[PIN_KEY] = str(pin)
         try:
             data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
         except EngineError as e:
@@ -229,7 +242,7 @@ class EngineClient:
                 data = await self._call_ok("GET", "/get_server_info")
             if not isinstance(data, dict) or not isinstance(data.get("version"), str):
                 raise EngineReplyError(self.url, f"server info has no version: {one_line(data)}")
-            self._profile = profile_for(data["version"])
+            self._profile = profile_for(data["version"], data)
             if warning := seed_warning(data, self.url):
                 log.warning("%s", warning)
         return self._profile

@@ -21,7 +21,9 @@ Read from SGLang's own source (wheels 0.5.6, 0.5.21, 0.5.23; see tests/test_sgla
   the seed tensor only then); `check_server_info` refuses an engine whose server info reports
   the flag off.
 
-`hf` is asyncrl's own server (`engine/hf`): the newest protocol, minus the session.
+`hf` is asyncrl's own server (`engine/hf`): the newest protocol, minus the session, plus
+requests pinned to a weight version (`PIN_KEY`), which it keeps serving from a copy of those
+weights across updates (`pinned_versions`, from its /server_info).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ MIN_VERSION = (0, 5, 6)
 MAX_VERSION = (0, 5, 23)
 #: What asyncrl's hf server reports as its `version` in /server_info.
 HF_SERVER_VERSION = "asyncrl-hf"
+#: The /generate field of asyncrl's hf server (SGLang has none) that pins a request to a weight
+#: version: only those weights serve it, kept across updates (`engine/hf/engine.py`).
+PIN_KEY = "pin_weight_version"
 
 
 class UnsupportedEngineError(RuntimeError):
@@ -54,6 +59,9 @@ class EngineProfile:
     """The version on the last bucket is lost while paused: set it with /update_weight_version."""
     flush_modes: tuple[str, ...] = ("abort", "retract")
     """Pause modes after which a cache flush can succeed (once the engine is idle)."""
+    pinned_versions: int = 0
+    """Weight versions besides the live one the engine keeps serving `PIN_KEY` requests from
+    (0: none, SGLang; a pinned request must finish before its version is replaced)."""
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -81,10 +89,13 @@ def seed_warning(info: Mapping[str, Any], url: str) -> str | None:
     )
 
 
-def profile_for(version: str) -> EngineProfile:
-    """The profile of an engine reporting `version`; UnsupportedEngineError outside the range."""
+def profile_for(version: str, info: Mapping[str, Any] | None = None) -> EngineProfile:
+    """The profile of an engine reporting `version` (and the rest of its server `info`);
+    UnsupportedEngineError outside the range."""
     if version == HF_SERVER_VERSION:
-        return EngineProfile(version)
+        kept = (info or {}).get("max_pinned_versions", 0)
+        ok = isinstance(kept, int) and not isinstance(kept, bool) and kept >= 0
+        return EngineProfile(version, pinned_versions=kept if ok else 0)
     v = parse_version(version)
     if not MIN_VERSION <= v <= MAX_VERSION:
         lo, hi = (".".join(map(str, x)) for x in (MIN_VERSION, MAX_VERSION))

@@ -7,8 +7,8 @@
 # then run with carry [".whl"]:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash tests/gpu/device_check.sh
-# Ray's wheel (79 MB for cp312) is over the 64 MiB transfer: the loop, FSDP2's scale parts and the two-GPU
-# tests' Ray ranks do not run there. Results come back under $OUT.
+# Ray's wheel (79 MB for cp312) is over the 64 MiB transfer as it is: the loop runs from
+# tests/gpu/loop_check.sh, which says how to carry it. Results come back under $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi -L

@@ -148,6 +148,7 @@ class Seq:
     on_done: Callable[[Seq], None]
     return_logprob: bool = False
     priority: int = 0  # SGLang's convention: a larger value is admitted first
+    pin: str | None = None  # `pin_weight_version`: only these weights serve it (engine.py)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[str] = field(default_factory=list)  # weight version per output token

@@ -24,6 +24,15 @@ them back at the head of the queue with their partial tokens and logprobs kept (
 continue they are re-prefilled from prompt + partial output and carry on); `in_place` just
 stops stepping (KV kept). In every mode new requests queue until `resume()`.
 
+Pinned requests (asyncrl's extension, `pin_weight_version` on /generate: a held-out evaluation
+of one step's weights): only the weights of that version serve them, so a weight update need
+not wait for them. Before the live weights change (a pause, a load, a new version), the
+requests pinned to the live version move, KV and all, to a kept lane: a copy of the model as
+it was (`keep_pinned`), which no update or pause touches and which each step decodes beside
+the live lane, until its last request ends. At most `max_pinned_versions` are kept (the
+oldest's requests fail past it). A pin the engine cannot serve (another version, or the live
+one while it is being replaced) is refused (400) or, if that happened while it queued, failed.
+
 No request takes the scheduler down: a step that raises fails the requests it was serving
 (prefill: the ones it admitted; decode: the running batch) with the error, drops their KV, and
 the scheduler goes on with the next step. A row whose logits are broken fails alone. Only an
@@ -33,18 +42,15 @@ failed, `alive` turns False and the server reports it (`/health`, `/health_gener
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache
 
 from asyncrl.engine.hf.batch import KVBatch, Seq, merge, sample
+from asyncrl.engine.hf.lanes import Lane, Lanes, StepLock, eos_ids
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -54,67 +60,32 @@ class EngineDeadError(RuntimeError):
     """The scheduler thread is not running: the engine cannot serve (answered with HTTP 503)."""
 
 
-class StepLock:
-    """The engine's `step_lock`: a re-entrant lock that a waiting control call gets next.
-
-    A bare RLock is not fair: the scheduler thread re-takes it right after letting it go, so a
-    pause, abort or weight load could wait hundreds of steps for it. Control calls use it as a
-    plain lock (`with engine.step_lock`); the scheduler enters each step through `step()`,
-    which first lets every control call already waiting through. So a control call waits for
-    the step in progress at most.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(threading.Lock())
-        self._waiting = 0  # control calls blocked in acquire()
-
-    def acquire(self) -> bool:
-        with self._cond:
-            self._waiting += 1
-        try:
-            return self._lock.acquire()
-        finally:
-            with self._cond:
-                self._waiting -= 1
-                self._cond.notify_all()
-
-    def release(self) -> None:
-        self._lock.release()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """For the scheduler: hold the lock for one step, after any waiting control call."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._waiting == 0)
-        with self._lock:
-            yield
-
-
 class HFEngine:
-    def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 32, seed: int = 0) -> None:
+    """`max_pinned_versions`: weight versions besides the live one kept for pinned requests
+    (module docstring, "Pinned requests"); 0: a pinned request fails when its version goes."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_size: int = 32,
+        seed: int = 0,
+        max_pinned_versions: int = 1,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.model = model.eval()
-        self.device = next(model.parameters()).device
-        self.max_batch_size = max_batch_size
+        if max_pinned_versions < 0:
+            raise ValueError(f"max_pinned_versions must be >= 0, got {max_pinned_versions}")
+        self._lanes = Lanes(model.eval(), max_pinned_versions)
+        self.device = self._lanes.live.device
+        self.max_batch_size, self.max_pinned_versions = max_batch_size, max_pinned_versions
         cfg = model.config
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(cfg.vocab_size)
-        self.eos_ids = _eos_ids(model)
-        # Only the last position's logits are needed; older model classes lack the argument.
-        accepts = inspect.signature(model.forward).parameters
-        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
-        self.weight_version = "default"
+        self.eos_ids = eos_ids(model)
         self.step_lock = StepLock()
         self._cond = threading.Condition(threading.Lock())
         self._waiting: deque[Seq] = deque()
-        self._batch: KVBatch | None = None
         self._paused = False
         self._stopping = False
         self._seed_rng = random.Random(seed)
@@ -122,6 +93,31 @@ class HFEngine:
         self.error: BaseException | None = None
         self.step_failures = 0  # steps that raised (their requests failed, the engine went on)
         self.last_step_ok = True
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The live weights (what weight updates load into)."""
+        return self._lanes.live.model
+
+    @property
+    def weight_version(self) -> str:
+        return self._lanes.live.version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        """The live weights are `version` (once loaded; `keep_pinned` before they change)."""
+        self._lanes.live.version, self._lanes.pinnable = version, True
+
+    def set_weight_version(self, version: str) -> None:
+        """Relabel the live weights (SGLang's /update_weight_version): the requests pinned to
+        the old label are kept on it first."""
+        with self.step_lock:
+            self.keep_pinned()
+            self.weight_version = version
+
+    def kept_versions(self) -> list[str]:
+        with self._cond:
+            return list(self._lanes.kept)
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:
@@ -142,8 +138,8 @@ class HFEngine:
         return self._paused
 
     def check(self, seq: Seq) -> None:
-        """Raise ValueError if the engine cannot serve `seq` (tokens, length), EngineDeadError
-        if the scheduler is not running."""
+        """Raise ValueError if the engine cannot serve `seq` (tokens, length, pinned version),
+        EngineDeadError if the scheduler is not running."""
         if self.error is not None:
             raise EngineDeadError(f"engine scheduler died: {_describe(self.error)}")
         bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
@@ -153,6 +149,8 @@ class HFEngine:
             raise ValueError("input_ids is empty")
         if len(seq.prompt) >= self.max_context:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens >= context {self.max_context}")
+        if seq.pin is not None and self._lanes.route(seq) is None:
+            raise ValueError(f"pin_weight_version {seq.pin} is not served: {self._lanes}")
 
     def submit(self, seq: Seq) -> None:
         """Queue a request; it is answered through `seq.on_done` on the scheduler thread."""
@@ -169,15 +167,21 @@ class HFEngine:
             self._cond.notify_all()
 
     def pause(self, mode: str) -> None:
+        """Stop serving the live weights (their requests as `mode` says); kept versions, which
+        no update touches, go on serving their pinned requests."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}; expected one of {PAUSE_MODES}")
-        with self.step_lock, self._cond:
-            self._paused = True
-            if mode == "abort":
-                self._abort_where(lambda s: True, "aborted by pause_generation(abort)")
-            elif mode == "retract" and self._batch is not None:
-                self._waiting.extendleft(reversed(self._batch.seqs))
-                self._batch = None
+        with self.step_lock:
+            self.keep_pinned()  # a pause precedes a weight update
+            with self._cond:
+                self._paused = True
+                live, kept = self._lanes.live, self._lanes.kept
+                why = "aborted by pause_generation(abort)"
+                if mode == "abort":
+                    self._abort_where(lambda s: s.pin not in kept, why)
+                elif mode == "retract" and live.batch is not None:
+                    self._waiting.extendleft(reversed(live.batch.seqs))
+                    live.batch = None
 
     def resume(self) -> None:
         with self._cond:
@@ -189,16 +193,41 @@ class HFEngine:
         with self.step_lock, self._cond:
             return self._abort_where(lambda s: rid is None or s.rid == rid, "aborted by request")
 
+    def keep_pinned(self) -> None:
+        """Before the live weights change: the requests pinned to the live version, running
+        (with their KV) or waiting, go to a kept copy of the model that serves them to the end
+        (dropped then); no new request is pinned to the live weights until a version is set.
+        Past `max_pinned_versions`, the oldest kept version's requests fail. Caller holds
+        `step_lock` (so no step is half done)."""
+        with self._cond:
+            lanes, live = self._lanes, self._lanes.live
+            lanes.pinnable = False
+            if live.version in lanes.kept:  # kept already (a paused update's later buckets)
+                return
+            pinned = lambda s: s.pin == live.version  # noqa: E731
+            rows = [i for i, s in enumerate(live.running) if pinned(s)]
+            if not rows and not any(pinned(s) for s in self._waiting):
+                return
+            if lanes.max_kept == 0:
+                why = f"weight version {live.version} replaced (this engine keeps none)"
+                self._abort_where(pinned, why, error=True)
+                return
+            while len(lanes.kept) >= lanes.max_kept:
+                gone = next(iter(lanes.kept))  # the oldest
+                why = f"weight version {gone} dropped: {lanes.max_kept} kept at most"
+                self._abort_where(lambda s, v=gone: s.pin == v, why, error=True)
+                del lanes.kept[gone]
+            lanes.keep_live(rows)
+
     def num_requests(self) -> int:
         with self._cond:
-            running = 0 if self._batch is None else len(self._batch.seqs)
-            return running + len(self._waiting)
+            return sum(len(lane.running) for lane in self._lanes.all()) + len(self._waiting)
 
     def load(self) -> dict[str, int]:
         """SGLang's `/get_load` numbers, read between steps: requests running or waiting, those
         waiting, and the tokens (prompt + output) the running requests hold in KV."""
         with self.step_lock, self._cond:
-            running = [] if self._batch is None else self._batch.seqs
+            running = [s for lane in self._lanes.all() for s in lane.running]
             return {
                 "num_reqs": len(running) + len(self._waiting),
                 "num_waiting_reqs": len(self._waiting),
@@ -206,14 +235,17 @@ class HFEngine:
             }
 
     def flush_cache(self) -> bool:
-        """There is no prefix cache to drop; refuse (False) while any request holds KV.
+        """There is no prefix cache to drop; refuse (False) while any request holds KV of the
+        live weights.
 
         As SGLang: running requests -> refused (in_place pause keeps them running); after a
         retract the queued requests hold no KV, so a paused engine may flush. Unpaused waiting
-        requests are about to run, so they count as running.
+        requests are about to run, so they count as running. Kept versions' requests do not
+        count: their KV belongs to weights no update touches.
         """
         with self.step_lock, self._cond:
-            return self._batch is None and (self._paused or not self._waiting)
+            live_waiting = any(s.pin not in self._lanes.kept for s in self._waiting)
+            return self._lanes.live.batch is None and (self._paused or not live_waiting)
 
     # ---- scheduler thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -228,38 +260,58 @@ class HFEngine:
                 self._abort_where(lambda s: True, f"engine scheduler died: {_describe(e)}", True)
 
     def _step(self) -> None:
-        """Admit waiting requests (prefill), then decode one token for the running batch. Each
-        half that raises fails only its own requests; the scheduler carries on."""
+        """Admit waiting requests (prefill), then decode one token for every lane's running
+        batch (a paused engine: the kept lanes only). Each prefill or decode that raises fails
+        only its own requests; the scheduler carries on."""
         with self._cond:
+            lanes = self._lanes.all()
+            admit = self._take_waiting(self.max_batch_size - sum(len(x.running) for x in lanes))
             if self._paused:
-                return
-            free = self.max_batch_size - (len(self._batch.seqs) if self._batch else 0)
-            admit = self._take_waiting(free)
+                lanes = lanes[1:]  # the live weights wait; kept ones go on
         ok = True
         with torch.inference_mode():
-            if admit:
+            for lane, seqs in self._by_lane(admit):
                 try:
-                    self._batch = merge(self._batch, self._prefill(admit))
-                except Exception as e:  # the running batch is untouched: only `admit` fails
-                    ok = self._fail_step(admit, "prefill", e)
-            if self._batch is not None:
+                    batch, logits = lane.prefill(seqs)
+                    lane.batch = merge(lane.batch, self._sample_and_retire(batch, logits, lane))
+                except Exception as e:  # the running batch is untouched: only `seqs` fail
+                    ok = self._fail_step(seqs, "prefill", e)
+            for lane in lanes:
+                if lane.batch is None:
+                    continue
                 try:
-                    self._decode()
+                    lane.batch = self._sample_and_retire(lane.batch, lane.decode(), lane)
                 except Exception as e:  # the batch's KV may be half updated: drop it whole
-                    batch, self._batch = self._batch, None
+                    batch, lane.batch = lane.batch, None
                     ok = self._fail_step(batch.seqs, "decode", e)
+        if self._lanes.kept:
+            with self._cond:
+                self._lanes.drop_idle(list(self._waiting))
         self.last_step_ok = ok
+
+    def _by_lane(self, seqs: list[Seq]) -> list[tuple[Lane, list[Seq]]]:
+        """`seqs` grouped by the lane that serves each; one whose pinned version is no longer
+        served fails."""
+        out: dict[int, tuple[Lane, list[Seq]]] = {}
+        for s in seqs:
+            lane = self._lanes.route(s)
+            if lane is None:
+                self._fail(s, f"pin_weight_version {s.pin} no longer served: {self._lanes}")
+            else:
+                out.setdefault(id(lane), (lane, []))[1].append(s)
+        return list(out.values())
 
     def _take_waiting(self, n: int) -> list[Seq]:
         """Up to `n` waiting requests, removed from the queue: the highest `priority` first,
-        queue order within one priority (FIFO, retracted requests at the head). A request waits
-        only while a higher-priority one holds the slot it would take, so it runs as soon as
-        none waits (no aging: a steady stream of higher-priority work can hold it, as in
-        SGLang). Caller holds `_cond`."""
+        queue order within one priority (FIFO, retracted requests at the head); while paused,
+        only those a kept version serves. A request waits only while a higher-priority one
+        holds the slot it would take, so it runs as soon as none waits (no aging: a steady
+        stream of higher-priority work can hold it, as in SGLang). Caller holds `_cond`."""
         if n <= 0 or not self._waiting:
             return []
         queue = list(self._waiting)
-        admit = sorted(queue, key=lambda s: -s.priority)[:n]  # stable: FIFO within a priority
+        ready = [s for s in queue if not self._paused or s.pin in self._lanes.kept]
+        admit = sorted(ready, key=lambda s: -s.priority)[:n]  # stable: FIFO within a priority
         taken = {id(s) for s in admit}
         self._waiting = deque(s for s in queue if id(s) not in taken)
         return admit
@@ -274,56 +326,22 @@ class HFEngine:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._stopping and (self._paused or not (self._waiting or self._batch)):
+            while not self._stopping and not self._has_work():
                 self._cond.wait()
             return not self._stopping
 
-    def _forward(self, ids, mask, pos, kv):
-        cache = DynamicCache(kv) if kv else DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            **self._last_only,
-        )
-        kv = [(layer[0], layer[1]) for layer in out.past_key_values]
-        return out.logits[:, -1, :], kv
+    def _has_work(self) -> bool:
+        """Caller holds `_cond`."""
+        kept = self._lanes.kept
+        if any(lane.batch is not None for lane in kept.values()):
+            return True
+        if self._paused:
+            return any(s.pin in kept for s in self._waiting)
+        return bool(self._waiting) or self._lanes.live.batch is not None
 
-    def _prefill(self, seqs: list[Seq]) -> KVBatch | None:
-        rows = [tuple(s.tokens()) for s in seqs]  # a retracted one: with its partial output
-        # A group's n samples share one prompt: each distinct row runs once (the costliest
-        # forward, n x cheaper) and every request gets a copy of that row's KV and logits.
-        first: dict[tuple[int, ...], int] = {}
-        inverse = [first.setdefault(r, len(first)) for r in rows]
-        width = max(len(r) for r in first)
-        ids = torch.zeros(len(first), width, dtype=torch.long)
-        mask = torch.zeros(len(first), width, dtype=torch.long)
-        for i, r in enumerate(first):
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, kv = self._forward(ids, mask, pos, None)
-        if len(first) < len(rows):
-            idx = torch.tensor(inverse, device=self.device)
-            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
-            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        batch = KVBatch(seqs, kv, mask, lengths, torch.zeros_like(lengths))
-        return self._sample_and_retire(batch, logits)
-
-    def _decode(self) -> None:
-        b = self._batch
-        mask = torch.cat([b.mask, b.mask.new_ones(len(b.seqs), 1)], dim=1)
-        logits, kv = self._forward(b.last[:, None], mask, b.pos[:, None], b.kv)
-        b.kv, b.mask, b.pos = kv, mask, b.pos + 1
-        self._batch = self._sample_and_retire(b, logits)
-
-    def _sample_and_retire(self, b: KVBatch, logits: torch.Tensor) -> KVBatch | None:
+    def _sample_and_retire(self, b: KVBatch, logits: torch.Tensor, lane: Lane) -> KVBatch | None:
         tokens, lps, errors = sample(logits, b.seqs)
-        b.last = torch.tensor(tokens, device=self.device)
+        b.last = torch.tensor(tokens, device=lane.device)
         keep = []
         for i, (s, tok, lp, err) in enumerate(zip(b.seqs, tokens, lps, errors)):
             if err is not None:
@@ -331,7 +349,7 @@ class HFEngine:
                 continue
             s.output_ids.append(tok)
             s.logprobs.append(lp)
-            s.token_versions.append(self.weight_version)
+            s.token_versions.append(lane.version)
             stop = tok in s.params.stop_token_ids or (
                 tok in self.eos_ids and not s.params.ignore_eos
             )
@@ -347,17 +365,17 @@ class HFEngine:
 
     # ---- helpers (caller holds step_lock and/or _cond as noted) ---------------------------
     def _abort_where(self, pred, message: str, error: bool = False) -> int:
-        """Abort (`error`: fail) the matching requests. Caller holds `_cond` (and `step_lock`
-        unless the scheduler thread is dead)."""
+        """Abort (`error`: fail) the matching requests, running in any lane or waiting. Caller
+        holds `_cond` (and `step_lock` unless the scheduler thread is dead)."""
         end = self._fail if error else self._abort
         n = 0
-        if self._batch is not None:
-            keep = [i for i, s in enumerate(self._batch.seqs) if not pred(s)]
-            for s in self._batch.seqs:
+        for lane in self._lanes.all():
+            keep = [i for i, s in enumerate(lane.running) if not pred(s)]
+            for s in lane.running:
                 if pred(s):
                     end(s, message)
                     n += 1
-            self._batch = self._batch.select(keep)
+            lane.batch = lane.batch.select(keep) if lane.batch is not None else None
         for s in [s for s in self._waiting if pred(s)]:
             self._waiting.remove(s)
             end(s, message)
@@ -374,7 +392,7 @@ class HFEngine:
 
     def _finish(self, seq: Seq, reason: dict) -> None:
         seq.finish = reason
-        seq.weight_version = self.weight_version
+        seq.weight_version = self.weight_version if seq.pin is None else seq.pin
         try:
             seq.on_done(seq)
         except Exception:  # a broken callback must not kill the scheduler
@@ -387,14 +405,3 @@ def _describe(e: BaseException | None) -> str:
         return "stopped"
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
-    ids: set[int] = set()
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list | tuple):
-            ids.update(int(e) for e in eos)
-    return frozenset(ids)

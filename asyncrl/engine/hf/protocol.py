@@ -13,6 +13,7 @@ import math
 import uuid
 
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, is_neutral, show
+from asyncrl.engine.versions import PIN_KEY
 from asyncrl.weights.group import BACKENDS
 
 _MISSING = object()
@@ -35,7 +36,7 @@ _GENERATE_NEUTRAL = {
     "return_entropy": (None, False),
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "rid", "return_logprob"}
-_GENERATE_KEYS |= {"logprob_start_len", "stream", "extra_key", "priority"}
+_GENERATE_KEYS |= {"logprob_start_len", "stream", "extra_key", "priority", PIN_KEY}
 #: `extra_key` is SGLang's prefix-cache namespace. This server keeps no prefix cache (every
 #: request prefills its own KV, dropped when it finishes), so no KV is ever shared across
 #: requests, let alone across weight versions: the field is checked (a string, or a list of
@@ -156,6 +157,7 @@ def parse_generate(body: dict, on_done) -> tuple[list[Seq], bool]:
             raise RequestError(f"extra_key is longer than {MAX_EXTRA_KEY_CHARS} characters")
     logprob = _per_item(body, "return_logprob", n, batched, _typed("return_logprob", (bool,)))
     priority = _per_item(body, "priority", n, batched, _priority)
+    pins = _per_item(body, PIN_KEY, n, batched, lambda v: version({PIN_KEY: v}, PIN_KEY, False))
     return [
         Seq(
             rids[i] or uuid.uuid4().hex,
@@ -164,6 +166,7 @@ def parse_generate(body: dict, on_done) -> tuple[list[Seq], bool]:
             on_done,
             bool(logprob[i]),
             priority=priority[i],
+            pin=pins[i],
         )
         for i in range(n)
     ], batched

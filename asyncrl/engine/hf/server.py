@@ -2,6 +2,7 @@
 
     ASYNCRL_API_KEY=K python -m asyncrl.engine.hf.server --model-path P --port N \
         [--dtype fp32|bf16] [--host 127.0.0.1] [--max-batch-size B] [--seed S] [--device cpu]
+        [--max-pinned-versions K]
 
 Same request/response shapes as SGLang, so `asyncrl.engine.client.EngineClient` drives this
 server and a real SGLang server with identical code. Token-in/token-out only: `text` is always
@@ -216,6 +217,7 @@ async def server_info(request: web.Request) -> web.Response:
     import torch
 
     info = {"version": HF_SERVER_VERSION, "tp_size": 1, "dp_size": 1, "pp_size": 1}
+    info["max_pinned_versions"] = request.app[ENGINE].max_pinned_versions  # asyncrl's own
     info |= {"num_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
     return web.json_response(info)
 
@@ -235,7 +237,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if field(body, "abort_all_requests", bool, False):
         await asyncio.to_thread(engine.abort, None)
-    engine.weight_version = new_version
+    await asyncio.to_thread(engine.set_weight_version, new_version)
     msg = f"Weight version updated to {engine.weight_version}"
     return _ok(True, msg, new_version=engine.weight_version)
 
@@ -324,7 +326,12 @@ def load_engine(args: argparse.Namespace) -> HFEngine:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, DTYPE_ALIASES[args.dtype])
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(args.device)
-    engine = HFEngine(model, max_batch_size=args.max_batch_size, seed=args.seed)
+    engine = HFEngine(
+        model,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+        max_pinned_versions=args.max_pinned_versions,
+    )
     engine.weight_version = args.weight_version
     return engine
 
@@ -345,6 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default="fp32")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-pinned-versions", type=int, default=1, help="see engine.py")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--cpus", type=_cpu_list, default=(), help="pin to these cores: 1,2")

@@ -171,6 +171,7 @@ class WeightReceiver:
         """Load every held bucket (and set `version`, if given) between two engine steps."""
         deferred, self.deferred = self.deferred, []
         with self.engine.step_lock, torch.no_grad():
+            self.engine.keep_pinned()  # requests pinned to the outgoing weights keep a copy
             for names, tensors, per_tensor in deferred:
                 for name, t in zip(names, tensors):
                     if lora_half(name):

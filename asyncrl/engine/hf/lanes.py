@@ -1,0 +1,180 @@
+"""The hf engine's lanes, its step lock and the model's EOS ids (no scheduling policy here).
+
+A lane is one set of weights and the running rows it serves. The engine has one live lane (the
+weights that weight updates change) and, while requests pinned to an older weight version are
+unfinished, a kept lane per such version: a copy of the model as it was, which no update
+touches. Each lane runs its own forward passes: rows of two versions never share a batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import threading
+from collections.abc import Iterator
+
+import torch
+from transformers import DynamicCache
+
+from asyncrl.engine.hf.batch import KVBatch, Seq
+
+
+class StepLock:
+    """The engine's `step_lock`: a re-entrant lock that a waiting control call gets next.
+
+    A bare RLock is not fair: the scheduler thread re-takes it right after letting it go, so a
+    pause, abort or weight load could wait hundreds of steps for it. Control calls use it as a
+    plain lock (`with engine.step_lock`); the scheduler enters each step through `step()`,
+    which first lets every control call already waiting through. So a control call waits for
+    the step in progress at most.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0  # control calls blocked in acquire()
+
+    def acquire(self) -> bool:
+        with self._cond:
+            self._waiting += 1
+        try:
+            return self._lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """For the scheduler: hold the lock for one step, after any waiting control call."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._waiting == 0)
+        with self._lock:
+            yield
+
+
+class Lane:
+    """`model` at weight `version` and `batch`, the running rows it serves (None: none)."""
+
+    def __init__(self, model: torch.nn.Module, version: str) -> None:
+        self.model, self.version = model, version
+        self.batch: KVBatch | None = None
+        self.device = next(model.parameters()).device
+        # Only the last position's logits are needed; older model classes lack the argument.
+        accepts = inspect.signature(model.forward).parameters
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+
+    @property
+    def running(self) -> list[Seq]:
+        return [] if self.batch is None else self.batch.seqs
+
+    def _forward(self, ids, mask, pos, kv):
+        cache = DynamicCache(kv) if kv else DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **self._last_only,
+        )
+        kv = [(layer[0], layer[1]) for layer in out.past_key_values]
+        return out.logits[:, -1, :], kv
+
+    def prefill(self, seqs: list[Seq]) -> tuple[KVBatch, torch.Tensor]:
+        """`seqs` prefilled together (left-padded): their KV batch and last logits."""
+        rows = [tuple(s.tokens()) for s in seqs]  # a retracted one: with its partial output
+        # A group's n samples share one prompt: each distinct row runs once (the costliest
+        # forward, n x cheaper) and every request gets a copy of that row's KV and logits.
+        first: dict[tuple[int, ...], int] = {}
+        inverse = [first.setdefault(r, len(first)) for r in rows]
+        width = max(len(r) for r in first)
+        ids = torch.zeros(len(first), width, dtype=torch.long)
+        mask = torch.zeros(len(first), width, dtype=torch.long)
+        for i, r in enumerate(first):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, kv = self._forward(ids, mask, pos, None)
+        if len(first) < len(rows):
+            idx = torch.tensor(inverse, device=self.device)
+            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
+            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        return KVBatch(seqs, kv, mask, lengths, torch.zeros_like(lengths)), logits
+
+    def decode(self) -> torch.Tensor:
+        """One token's forward for every running row (the batch's KV grows by it): logits."""
+        b = self.batch
+        assert b is not None
+        mask = torch.cat([b.mask, b.mask.new_ones(len(b.seqs), 1)], dim=1)
+        logits, kv = self._forward(b.last[:, None], mask, b.pos[:, None], b.kv)
+        b.kv, b.mask, b.pos = kv, mask, b.pos + 1
+        return logits
+
+
+class Lanes:
+    """The live lane and the kept ones (at most `max_kept`, oldest first), and which serves a
+    request. Caller holds the engine's `_cond`."""
+
+    def __init__(self, model: torch.nn.Module, max_kept: int) -> None:
+        self.live = Lane(model, "default")
+        self.kept: dict[str, Lane] = {}  # version -> a copy serving the requests pinned to it
+        self.max_kept = max_kept
+        self.pinnable = True  # the live weights are still those of `live.version`
+
+    def all(self) -> list[Lane]:
+        return [self.live, *self.kept.values()]
+
+    def route(self, seq: Seq) -> Lane | None:
+        """The lane that serves `seq`: the live one, unless it is pinned to another version
+        (a kept lane; None when that version is not served here)."""
+        if seq.pin is None:
+            return self.live
+        if seq.pin in self.kept:
+            return self.kept[seq.pin]
+        return self.live if seq.pin == self.live.version and self.pinnable else None
+
+    def __str__(self) -> str:
+        """What it serves, for an error message."""
+        live = self.live.version if self.pinnable else f"none ({self.live.version} updating)"
+        return f"it serves {live}, kept {sorted(self.kept) or 'none'}"
+
+    def keep_live(self, rows: list[int]) -> None:
+        """Copy the live model into a kept lane of its version, which takes the live batch's
+        `rows` (their KV) along; room for it is the caller's to make."""
+        live = self.live
+        lane = self.kept[live.version] = Lane(copy.deepcopy(live.model), live.version)
+        if live.batch is not None:
+            moved = set(rows)
+            others = [i for i in range(len(live.running)) if i not in moved]
+            lane.batch, live.batch = live.batch.select(rows), live.batch.select(others)
+
+    def drop_idle(self, waiting: list[Seq]) -> None:
+        """Drop the kept lanes that run nothing and that no waiting request is pinned to."""
+        pins = {s.pin for s in waiting}
+        for version in [v for v, lane in self.kept.items() if lane.batch is None]:
+            if version not in pins:
+                del self.kept[version]
+
+
+def eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The token ids that end a response: the model's and its generation config's EOS."""
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
