@@ -10,22 +10,19 @@ import concurrent.futures
 import copy
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.schema import LoggingConfig
-from asyncrl.data.prompts import PromptItem
-from asyncrl.engine.client import EngineClient
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq
 from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.engine.hf.protocol import parse_generate
 from asyncrl.engine.versions import HF_SERVER_VERSION, PIN_KEY, profile_for
 from asyncrl.rollout.evaluation import Evaluator, _InFlight
-from asyncrl.rollout.settings import RolloutSettings
 from tests.helpers import random_qwen2
+from tests.test_priority import _evaluator as priority_evaluator
 
 DEADLINE_S = 60.0
 LONG = 200  # tokens a request runs for: far more than pass between two looks at it
@@ -221,22 +218,7 @@ def test_the_generate_field_and_the_servers_profile():
 
 
 def _evaluator(tiny_model, eval_sync: str, kept: int) -> tuple[Evaluator, list[dict]]:
-    """A real Evaluator whose engine edge (HTTP) records each body and answers it."""
-    sent: list[dict] = []
-    client = EngineClient("http://127.0.0.1:9")
-
-    async def call_ok(method, path, body=None, timeout_s=None):
-        sent.append(body)
-        meta = {"finish_reason": {"type": "length"}, "weight_version": "3", "prompt_tokens": 2}
-        meta |= {"output_token_weight_versions": ["3"], "output_token_logprobs": [[-0.1, 5, None]]}
-        return [{"output_ids": [5], "meta_info": meta}] * len(body["input_ids"])
-
-    client._call_ok = call_ok
-    client._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": kept})
-    settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model))
-    items = [PromptItem(f"k{i}", [1, 2], "1+1") for i in range(2)]
-    fleet = SimpleNamespace(clients=[client], eval_clients=lambda: [client], eval_index=None)
-    return Evaluator(LoggingConfig(eval_sync=eval_sync), 10, items, settings, fleet), sent
+    return priority_evaluator(tiny_model, -1, LoggingConfig(eval_sync=eval_sync), kept)
 
 
 @pytest.mark.parametrize(("eval_sync", "kept", "pinned"), [

@@ -18,6 +18,7 @@ from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq
 from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.engine.hf.protocol import parse_generate
 from asyncrl.engine.sglang import SGLangConfigError, SGLangSettings, server_command, with_priority
+from asyncrl.engine.versions import HF_SERVER_VERSION, profile_for
 from asyncrl.rollout.evaluation import Evaluator
 from asyncrl.rollout.settings import RolloutSettings
 from tests.helpers import random_qwen2
@@ -105,8 +106,12 @@ def test_generate_body_priority_is_checked():
             parse({"priority": bad})
 
 
-def _evaluator(tiny_model, priority: int | None) -> tuple[Evaluator, list[dict]]:
-    """A real Evaluator whose engine edge (the HTTP call) records each body and answers it."""
+def _evaluator(
+    tiny_model, priority: int | None, logging: LoggingConfig | None = None, kept: int | None = None
+) -> tuple[Evaluator, list[dict]]:
+    """A real Evaluator whose engine edge (the HTTP call) records each body and answers it;
+    `logging` instead of the default one at `priority`; `kept`: the engine is an hf server
+    that keeps that many pinned versions (None: never asked)."""
     sent: list[dict] = []
     client = EngineClient("http://127.0.0.1:9")
 
@@ -119,10 +124,13 @@ def _evaluator(tiny_model, priority: int | None) -> tuple[Evaluator, list[dict]]
         return [one] * len(body["input_ids"]) if batched else one
 
     client._call_ok = call_ok
-    logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
+    if kept is not None:
+        client._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": kept})
+    if logging is None:
+        logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
     settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model))
     items = [PromptItem(f"k{i}", [1, 2], "1+1") for i in range(2)]
-    fleet = SimpleNamespace(clients=[client], eval_clients=lambda: [client])
+    fleet = SimpleNamespace(clients=[client], eval_clients=lambda: [client], eval_index=None)
     return Evaluator(logging, 10, items, settings, fleet), sent
 
 
