@@ -26,6 +26,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
 
@@ -157,7 +158,7 @@ class EngineClient:
         scheduling priority (larger first; honoured by SGLang only with
         `--enable-priority-scheduling`, always by the hf server); None sends none. `pin`: as
         `generate`'s."""
-        return (await self._generate([as_request(self.url, req)], False, priority, pin))[0]
+        return (await self._generate([as_request(self.url, req)], False, _keys(priority, pin)))[0]
 
     async def generate(
         self,
@@ -173,24 +174,16 @@ class EngineClient:
         `pin`: only weight version `pin` may serve them (engines whose profile has
         `pinned_versions`; see `versions.PIN_KEY`)."""
         reqs = [as_request(self.url, r) for r in requests]
-        return await self._generate(reqs, True, priority, pin) if reqs else []
+        return await self._generate(reqs, True, _keys(priority, pin)) if reqs else []
 
     async def _generate(
-        self,
-        reqs: list[GenerateRequest],
-        batched: bool,
-        priority: int | None,
-        pin: int | None = None,
+        self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any]
     ) -> list[Completion]:
         """POST /generate with every body key each request needs: the cache namespace of the
         requests without an `extra_key` of their own, the priority, the adapter; a refused
         adapter is retried once on the engine's new one."""
         lora = await self._current_lora()
-        body = generate_body(reqs, batched)
-        if priority is not None:
-            body["priority"] = priority
-        if pin is not None:
-            body[PIN_KEY] = str(pin)
+        body = generate_body(reqs, batched) | keys
         try:
             data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
         except EngineError as e:
@@ -409,3 +402,9 @@ class EngineClient:
         if self._lora is not None and (self.seen_version or 0) > self._lora:
             self._lora = self.seen_version
         return self._lora
+
+
+def _keys(priority: int | None, pin: int | None) -> dict[str, Any]:
+    """/generate keys beyond the requests' own: SGLang's `priority`, the hf server's pin."""
+    keys: dict[str, Any] = {} if priority is None else {"priority": priority}
+    return keys if pin is None else {**keys, PIN_KEY: str(pin)}
