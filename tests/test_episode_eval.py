@@ -99,7 +99,9 @@ def runner():
     r.close()
 
 
-def evaluator(tiny_model, runner, engine_version: int, size: int = 4, env: EnvConfig | None = None):
+def evaluator(
+    tiny_model, runner, engine_version: int, size: int = 4, env: EnvConfig | None = None, **log
+):
     from transformers import AutoTokenizer
 
     env = env or EnvConfig(name=SECRET_ENV, max_turns=3, max_tokens_per_turn=4, template="none")
@@ -111,8 +113,21 @@ def evaluator(tiny_model, runner, engine_version: int, size: int = 4, env: EnvCo
     fleet = SimpleNamespace(
         clients=[client], eval_clients=lambda: [client], runner=runner, heal=lambda source: None
     )
-    logging = LoggingConfig(eval_interval=5, eval_size=size)
+    logging = LoggingConfig(eval_interval=5, eval_size=size, **log)
     return Evaluator(logging, 10, heldout_seed_items(env, size), settings, fleet), sent
+
+
+def test_pinned_episode_evaluation_pins_every_turn_to_the_steps_version(tiny_model, runner):
+    """`logging.eval_sync: pinned` against an engine that keeps pinned versions: every turn's
+    request of every held-out episode names the step's weight version."""
+    from asyncrl.engine.versions import HF_SERVER_VERSION, PIN_KEY, profile_for
+
+    ev, sent = evaluator(tiny_model, runner, engine_version=3, eval_sync="pinned")
+    ev.fleet.clients[0]._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": 1})
+    assert ev.submit(5, 3, source=None)
+    [(step, m)] = ev.drain()
+    assert step == 5 and m["eval/accuracy"] == 1.0 and ev.kept_versions == 1
+    assert len(sent) == 16 and all(body[PIN_KEY] == "3" for body in sent)
 
 
 def test_heldout_seeds_are_fixed_and_disjoint_from_the_training_seeds():

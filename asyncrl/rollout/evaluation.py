@@ -245,17 +245,19 @@ class Evaluator:
         when the last one ended (`perf_counter`)."""
         clients = self.fleet.eval_clients()  # logging.eval_engine: one, or all
         pin = await self._pin(clients, version)
+        builders = {
+            mode: b.for_eval(b.greedy, b.priority, pin) for mode, b in self.episodes.items()
+        }
 
         def play(builder: EpisodeBuilder, i: int, item: PromptItem) -> Coroutine[Any, Any, Episode]:
             seed = int(item.metadata["env_seed"])
-            pinned = builder.for_eval(builder.greedy, builder.priority, pin)
-            return pinned.run_episode(clients[i % len(clients)], item.key, seed, 0)
+            return builder.run_episode(clients[i % len(clients)], item.key, seed, 0)
 
         try:
             async with asyncio.TaskGroup() as tg:  # the first error cancels the others
                 tasks = {
                     mode: [tg.create_task(play(b, i, it)) for i, it in enumerate(self.items)]
-                    for mode, b in self.episodes.items()
+                    for mode, b in builders.items()
                 }
         except ExceptionGroup as eg:  # the cause, not "unhandled errors in a TaskGroup"
             raise eg.exceptions[0] from None
