@@ -186,7 +186,7 @@ class EpisodeBuilder:
         return other
 
     @property
-    def _priority(self) -> dict[str, int]:
+    def _request_keys(self) -> dict[str, int]:
         """`generate_one`'s priority and pin keywords; training sends none."""
         out = {} if self.priority is None else {"priority": self.priority}
         return out if self.pin is None else {**out, "pin": self.pin}
@@ -278,7 +278,7 @@ class EpisodeBuilder:
             seed = request_seed(s.seed, f"{key}/t{turn}/c{attempt}", index)
             params = sampling_params(s.generating, max_new - len(out.ids), seed, self.greedy)
             request = {"input_ids": context + out.ids, "sampling_params": params}
-            c = await client.generate_one({**request, "return_logprob": True}, **self._priority)
+            c = await client.generate_one({**request, "return_logprob": True}, **self._request_keys)
             if c.finish_reason == "abort" and c.abort_status is not None and c.abort_status < 500:
                 # SGLang's answer to a context at its limit (status 400): the episode has no
                 # room left, as with an empty reply; re-submitting would be refused forever

@@ -78,7 +78,7 @@ class HFEngine:
             raise ValueError(f"max_pinned_versions must be >= 0, got {max_pinned_versions}")
         self._lanes = Lanes(model.eval(), max_pinned_versions)
         self.device = self._lanes.live.device
-        self.max_batch_size, self.max_pinned_versions = max_batch_size, max_pinned_versions
+        self.max_batch_size = max_batch_size
         cfg = model.config
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(cfg.vocab_size)
@@ -98,6 +98,10 @@ class HFEngine:
     def model(self) -> torch.nn.Module:
         """The live weights (what weight updates load into)."""
         return self._lanes.live.model
+
+    @property
+    def max_pinned_versions(self) -> int:
+        return self._lanes.max_kept
 
     @property
     def weight_version(self) -> str:
@@ -310,7 +314,7 @@ class HFEngine:
         if n <= 0 or not self._waiting:
             return []
         queue = list(self._waiting)
-        ready = [s for s in queue if not self._paused or s.pin in self._lanes.kept]
+        ready = [s for s in queue if s.pin in self._lanes.kept] if self._paused else queue
         admit = sorted(ready, key=lambda s: -s.priority)[:n]  # stable: FIFO within a priority
         taken = {id(s) for s in admit}
         self._waiting = deque(s for s in queue if id(s) not in taken)
