@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
+from asyncrl.config.async_checks import pause_mode
 from asyncrl.data.prompts import PromptSource
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.learner.placement import RankPlacement
@@ -175,7 +176,7 @@ def start_rollout(
     )
     _stop_later(stack, receiver.close)  # PULL socket, read by the pump; thread asyncrl-zap
     fleet = EngineFleet(
-        cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, model_dir, Path(cfg.output_dir),
+        cfg.actor_infer, cfg.weight_sync, pause_mode(cfg), model_dir, Path(cfg.output_dir),
         seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
         api_key=engine_api_key,
         eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,

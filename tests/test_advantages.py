@@ -23,6 +23,7 @@ from asyncrl.algo.advantages import (
     gae_advantages,
     get_adv_estimator,
     grpo_advantages,
+    one_group_advantages,
     outcome_token_rewards,
     overlong_penalty,
     reinforce_pp_advantages,
@@ -250,6 +251,35 @@ def test_estimator_stages_and_gae_without_a_critic():
     mask = torch.ones(2, 3, dtype=D)
     with pytest.raises(ValueError, match="'gae' needs a critic"):
         batch_outcome_advantages("gae", t([1.0, 0.0]), mask, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([("grpo", True), ("grpo", False), ("drgrpo", True), ("rloo", True)]),
+    st.lists(st.sampled_from([0.0, 1.0, -0.5, 0.25, 3.0]) | st.floats(-10, 10), max_size=9),
+)
+def test_one_group_numpy_path_equals_the_torch_estimator(which, rewards):
+    """The rollout worker's numpy path (one group) gives what compute_advantages gives, for
+    singletons, constant groups (std 0) and Dr.GRPO / RLOO alike."""
+    name, norm = which
+    params = AdvantageParams(norm_adv_by_std_in_grpo=norm)
+    scores = np.array(rewards, dtype=np.float32)
+    got = one_group_advantages(name, scores, params)
+    assert got.dtype == np.float32 and got.shape == scores.shape
+    if not rewards:
+        return
+    tokens = torch.as_tensor(scores).unsqueeze(1)
+    want, _ = compute_advantages(name, tokens, torch.ones_like(tokens), params, [0] * len(scores))
+    np.testing.assert_allclose(got, want[:, 0].numpy(), rtol=2e-5, atol=2e-5)
+
+
+def test_one_group_closed_form_and_refusal():
+    r = np.array([1.0, 0.0, 0.0, 1.0], dtype=np.float32)  # mean 0.5, unbiased std 1/sqrt(3)
+    np.testing.assert_allclose(one_group_advantages("grpo", r), (r - 0.5) * math.sqrt(3), 1e-5)
+    np.testing.assert_allclose(one_group_advantages("rloo", r), (r - 0.5) * 4 / 3, 1e-6)
+    assert one_group_advantages("grpo", np.array([2.0]))[0] == pytest.approx(2.0 / (1 + 1e-6))
+    with pytest.raises(ValueError, match="'gae' is not computed within one group"):
+        one_group_advantages("gae", r)
 
 
 def test_gae_hand_unrolled():

@@ -125,6 +125,16 @@ def test_an_unpaused_sync_needs_engines_that_hold_the_buckets():
     assert load_config(None, ["async.pause_mode=none"]).async_.pause_mode == "none"
 
 
+def test_pause_mode_auto_skips_the_pause_only_on_engines_that_hold_the_buckets():
+    from asyncrl.config.async_checks import pause_mode
+
+    assert load_config(None, []).async_.pause_mode == "auto"
+    assert pause_mode(load_config(None, [])) == "none"  # hf_infer loads a sync at once
+    sglang = ["actor_infer.strategy_args.strategy_name=sglang"]
+    assert pause_mode(load_config(None, sglang)) == "in_place"  # it loads bucket by bucket
+    assert pause_mode(load_config(None, ["async.pause_mode=abort"])) == "abort"  # as given
+
+
 def test_an_overlapped_sync_is_refused_with_the_wait_policy():
     msg = _error("weight_sync.overlap=always", "async.stale_policy=wait")
     assert msg.startswith("weight_sync.overlap: always with async.stale_policy: wait")

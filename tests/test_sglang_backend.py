@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.config.async_checks import pause_mode
 from asyncrl.device import SPECS
 from asyncrl.engine import sglang as sl
 from asyncrl.engine.client import EngineClient, GenerateRequest
@@ -207,7 +208,7 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
     )  # fmt: skip
     runner = AsyncRunner()
     engines = EngineFleet(
-        cfg.actor_infer, cfg.weight_sync, cfg.async_.pause_mode, tiny_model, Path(cfg.output_dir),
+        cfg.actor_infer, cfg.weight_sync, pause_mode(cfg), tiny_model, Path(cfg.output_dir),
         seed=cfg.seed, request_timeout_s=cfg.rollout.request_timeout_s, runner=runner,
     )  # fmt: skip
     try:
@@ -215,7 +216,7 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
         urls = [h.url for h in engines.handles]
         expected = digests(learner, torch.bfloat16)
         for url in urls:
-            updates = check_engine(url, expected, "0", cfg.async_.pause_mode)
+            updates = check_engine(url, expected, "0", pause_mode(cfg))
             assert len(updates) > 1 and all(b["load_format"] == "flattened_bucket" for b in updates)
             assert all(len({str(d) for d in b["dtypes"]}) == 1 for b in updates)
         assert engines.last_sync["sync/gb_per_s"] > 0 and engines.last_sync["sync/buckets"] > 1
@@ -238,15 +239,13 @@ def test_engine_set_launches_routes_syncs_and_heals(tmp_path, tiny_model, monkey
         learner.version = 3
         engines.sync(learner)
         for url in urls:
-            assert (
-                check_engine(url, expected, "3", cfg.async_.pause_mode)[-1]["load_format"] is None
-            )
+            assert check_engine(url, expected, "3", pause_mode(cfg))[-1]["load_format"] is None
 
         engines.handles[1].proc.kill()
         engines.handles[1].proc.wait()
         assert engines.heal(learner)  # same port, group re-formed, weights pushed again
         assert engines.handles[1].url == urls[1]
-        check_engine(urls[1], expected, "3", cfg.async_.pause_mode)
+        check_engine(urls[1], expected, "3", pause_mode(cfg))
     finally:
         engines.stop()
         runner.close()

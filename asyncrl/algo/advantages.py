@@ -322,6 +322,30 @@ def estimator_stage(adv_estimator: str) -> str:
     return ESTIMATOR_STAGES[adv_estimator]
 
 
+def one_group_advantages(
+    adv_estimator: str, scores: np.ndarray, params: AdvantageParams | None = None
+) -> np.ndarray:
+    """A rollout-stage estimator (grpo, drgrpo, rloo) on ONE group's n scores, in numpy:
+    each response's advantage, as `compute_advantages` gives it (float32; equal to it within
+    float32 rounding, tests/test_advantages.py). The rollout worker computes one group at a
+    time; torch's per-op dispatch cost ~0.6 ms for a group of 8 there, on the cores the
+    engine and learner share, while these few numpy operations cost microseconds."""
+    if estimator_stage(adv_estimator) != "rollout":
+        raise ValueError(f"adv_estimator {adv_estimator!r} is not computed within one group")
+    p = params or AdvantageParams()
+    r = np.asarray(scores, dtype=np.float32).reshape(-1)
+    n = r.size
+    # group_stats: a singleton's baseline is 0 and its std 1
+    mean = np.float32(r.mean()) if n > 1 else np.float32(0.0)
+    if adv_estimator == "rloo":
+        return (np.float32(n / (n - 1)) * (r - mean)) if n > 1 else r.copy()
+    adv = r - mean
+    if adv_estimator == "grpo" and p.norm_adv_by_std_in_grpo:
+        std = np.float32(r.std(ddof=1)) if n > 1 else np.float32(1.0)
+        adv = adv / (std + np.float32(p.epsilon))
+    return adv.astype(np.float32, copy=False)
+
+
 @torch.no_grad()
 def batch_token_advantages(
     adv_estimator: str,

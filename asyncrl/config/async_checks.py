@@ -27,6 +27,14 @@ def check_pause_mode(cfg: Config) -> None:
         )
 
 
+def pause_mode(cfg: Config) -> str:
+    """`async.pause_mode` for this run, `auto` resolved: none on hf_infer (its engines load a
+    sync's buckets together between two steps), in_place on SGLang (it loads bucket by bucket)."""
+    if cfg.async_.pause_mode != "auto":
+        return cfg.async_.pause_mode
+    return "none" if cfg.actor_infer.strategy_args.strategy_name == "hf_infer" else "in_place"
+
+
 def check_overlap(cfg: Config) -> None:
     """`weight_sync.overlap: always` opens admission for a version only once its sync lands, while
     the learner already trains on: `stale_policy: wait` would gate on the older version."""

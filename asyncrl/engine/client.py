@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from asyncrl.engine.coalesce import Coalescer
 from asyncrl.engine.replies import (
     FINISH_TYPES,
     Completion,
@@ -42,6 +43,7 @@ from asyncrl.engine.replies import (
     generate_body,
     one_line,
     parse_completion,
+    refused_request,
 )
 from asyncrl.engine.versions import PIN_KEY, EngineProfile, profile_for, seed_warning
 from asyncrl.weights.lora_names import adapter_name
@@ -87,6 +89,10 @@ class EngineClient:
         self._profile: EngineProfile | None = None
         self._lora: int | None = None  # the adapter version requests name; None: no LoRA
         self._lora_known = not lora  # whether the engine was asked for its adapters yet
+        # `generate` calls of one event-loop turn (a worker's groups) share one /generate
+        self._batches: Coalescer[GenerateRequest, tuple[object, int | None]] = Coalescer(
+            self._post_generate, refused_request
+        )
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"
@@ -135,7 +141,8 @@ class EngineClient:
     async def _call_ok(self, method: str, path: str, body=None, timeout_s=None) -> object:
         status, data = await self._call(method, path, body, timeout_s)
         if status != 200:
-            raise EngineError(self.url, f"{path} answered HTTP {status}: {one_line(data)}")
+            problem = f"{path} answered HTTP {status}: {one_line(data)}"
+            raise EngineError(self.url, problem, status)
         return data
 
     async def _call_success(
@@ -169,19 +176,38 @@ class EngineClient:
     ) -> list[Completion]:
         """The requests as ONE batched /generate (SGLang's list form of `input_ids`, with
         per-item `sampling_params`, `return_logprob`, `rid` and `extra_key`): one HTTP round
-        trip and one parse for a whole group instead of one per sample. The engine schedules
-        every item as its own request; the replies come back in order, each checked alone.
-        `pin`: only weight version `pin` may serve them (engines whose profile has
-        `pinned_versions`; see `versions.PIN_KEY`)."""
+        trip and one parse for a whole group instead of one per sample, shared with the other
+        `generate` calls of this event-loop turn with the same keys (`coalesce.py`: a worker's
+        groups). The engine schedules every item as its own request; the replies come back in
+        order, each checked alone. `pin`: only weight version `pin` may serve them (engines
+        whose profile has `pinned_versions`; see `versions.PIN_KEY`)."""
         reqs = [as_request(self.url, r) for r in requests]
-        return await self._generate(reqs, True, _keys(priority, pin)) if reqs else []
+        if not reqs:
+            return []
+        keys = _keys(priority, pin)
+        key = (id(asyncio.get_running_loop()), tuple(sorted(keys.items())))
+        replies = await self._batches.submit(key, reqs)  # merged with this turn's others
+        return [self._completion(d, r, lora) for (d, lora), r in zip(replies, reqs)]
+
+    async def _post_generate(self, key: Any, reqs: list[GenerateRequest]) -> list[tuple]:
+        """`generate`'s one batched POST (see `coalesce.py`): per request, its raw reply item
+        and the adapter version that served it."""
+        items, lora = await self._post(reqs, True, dict(key[1]))
+        return [(item, lora) for item in items]
 
     async def _generate(
         self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any]
     ) -> list[Completion]:
+        items, lora = await self._post(reqs, batched, keys)
+        return [self._completion(d, r, lora) for d, r in zip(items, reqs)]
+
+    async def _post(
+        self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any]
+    ) -> tuple[list[object], int | None]:
         """POST /generate with every body key each request needs: the cache namespace of the
         requests without an `extra_key` of their own, the priority, the adapter; a refused
-        adapter is retried once on the engine's new one."""
+        adapter is retried once on the engine's new one. The reply items, unchecked, and the
+        adapter version they ran on."""
         lora = await self._current_lora()
         body = generate_body(reqs, batched) | keys
         try:
@@ -194,8 +220,7 @@ class EngineClient:
                 raise
             lora = self._lora
             data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
-        items = batch_items(self.url, data, len(reqs)) if batched else [data]
-        return [self._completion(d, r, lora) for d, r in zip(items, reqs)]
+        return (batch_items(self.url, data, len(reqs)) if batched else [data]), lora
 
     def _routed(self, body: dict, lora: int | None, reqs: list[GenerateRequest]) -> dict:
         own = cache_namespace(self.seen_version if lora is None else lora)

@@ -20,10 +20,18 @@ FINISH_TYPES = ("stop", "length", "abort")
 class EngineError(RuntimeError):
     """An engine call failed (connection, HTTP status, or an explicit `success: false`)."""
 
-    def __init__(self, url: str, problem: str) -> None:
+    def __init__(self, url: str, problem: str, status: int | None = None) -> None:
         super().__init__(f"engine {url}: {problem}")
         self.url = url
         self.problem = problem
+        self.status = status
+        """The HTTP status the engine answered with, where that is the failure."""
+
+
+def refused_request(error: BaseException) -> bool:
+    """Whether the engine refused the request itself (HTTP 4xx): another body may pass."""
+    status = getattr(error, "status", None)
+    return isinstance(error, EngineError) and status is not None and 400 <= status < 500
 
 
 class EngineReplyError(EngineError):

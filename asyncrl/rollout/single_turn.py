@@ -25,8 +25,8 @@ import numpy as np
 
 from asyncrl.algo.advantages import (
     AdvantageParams,
-    compute_advantages,
     estimator_stage,
+    one_group_advantages,
     overlong_penalty,
 )
 from asyncrl.data.prompts import PromptItem
@@ -178,16 +178,6 @@ class GroupBuilder:
 
     def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Outcome advantages within the group (one value per response)."""
-        import torch
-
-        scores = torch.as_tensor(rewards).unsqueeze(1)  # [n, 1]: one token carries the score
         alg = self.s.algorithm
         params = AdvantageParams(norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        adv, _ = compute_advantages(
-            alg.adv_estimator,
-            scores,
-            torch.ones_like(scores),
-            params,
-            group_ids=[0] * len(rewards),
-        )
-        return adv[:, 0].numpy()
+        return one_group_advantages(alg.adv_estimator, rewards, params)

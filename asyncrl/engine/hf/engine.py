@@ -156,18 +156,22 @@ class HFEngine:
         if seq.pin is not None and self._lanes.route(seq) is None:
             raise ValueError(f"pin_weight_version {seq.pin} is not served: {self._lanes}")
 
-    def submit(self, seq: Seq) -> None:
-        """Queue a request; it is answered through `seq.on_done` on the scheduler thread."""
-        self.check(seq)
+    def submit(self, *seqs: Seq) -> None:
+        """Queue requests, all or none (each is checked first); each is answered through
+        `seq.on_done` on the scheduler thread. Queued together, they wake the scheduler once:
+        one HTTP request's samples are admitted in the same step (one prefill)."""
+        for seq in seqs:
+            self.check(seq)
         with self._cond:
-            if seq.params.temperature > 0:
-                seed = seq.params.sampling_seed
-                seed = self._seed_rng.getrandbits(63) if seed is None else seed
-                seq.generator = torch.Generator().manual_seed(seed)
-            if seq.params.max_new_tokens == 0:
-                self._finish(seq, {"type": "length", "length": 0})
-                return
-            self._waiting.append(seq)
+            for seq in seqs:
+                if seq.params.temperature > 0:
+                    seed = seq.params.sampling_seed
+                    seed = self._seed_rng.getrandbits(63) if seed is None else seed
+                    seq.generator = torch.Generator().manual_seed(seed)
+                if seq.params.max_new_tokens == 0:
+                    self._finish(seq, {"type": "length", "length": 0})
+                else:
+                    self._waiting.append(seq)
             self._cond.notify_all()
 
     def pause(self, mode: str) -> None:

@@ -129,11 +129,8 @@ async def _run_seqs(engine: HFEngine, seqs: list[Seq]) -> None:
         fut = loop.create_future()
         seq.on_done = lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s)
         futs.append(fut)
-    for seq in seqs:  # validate all before queueing any
-        engine.check(seq)
     try:
-        for seq in seqs:
-            engine.submit(seq)
+        engine.submit(*seqs)  # all checked before any is queued
         await asyncio.gather(*futs)
     except asyncio.CancelledError:  # client went away: free the engine's slots
         for seq in seqs:
