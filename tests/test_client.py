@@ -199,6 +199,22 @@ def test_http_errors_timeouts_and_down_engines():
     asyncio.run(go())
 
 
+def test_generation_is_bounded_by_timeout_and_control_calls_by_control_timeout():
+    async def test(fake, _client):
+        client = EngineClient(_client.url, timeout=3, control_timeout=0.5)
+        fake.delay = 1.0  # longer than a control call may take, well within a generation's
+        try:
+            assert (await client.generate_one(REQ)).output_ids == [5, 6, 1]
+            fake.reply = [GOOD]
+            assert len(await client.generate([REQ])) == 1
+            with pytest.raises(EngineTimeoutError, match="flush_cache gave no reply within"):
+                await client.flush_cache()
+        finally:
+            await client.close()
+
+    asyncio.run(with_fake(test))
+
+
 def test_control_calls_and_success_flags():
     async def test(fake, client):
         fake.reply = {"message": "Generation paused successfully.", "status": "ok"}

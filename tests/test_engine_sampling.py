@@ -9,6 +9,7 @@ temperature-scaled log-softmax, a broken row fails alone.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from asyncrl.engine.hf.batch import SamplingParams, Seq, sample
 
 
 def seq(seed: int | None = 0, **params: float) -> Seq:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = random.Random(seed) if seed is not None else None
     p = SamplingParams.from_json({"max_new_tokens": 4, **params})
     return Seq(rid="r", prompt=[1], params=p, on_done=lambda s: None, generator=gen)
 

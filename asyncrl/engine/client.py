@@ -208,10 +208,10 @@ class EngineClient:
         requests without an `extra_key` of their own, the priority, the adapter; a refused
         adapter is retried once on the engine's new one. The reply items, unchecked, and the
         adapter version they ran on."""
-        lora = await self._current_lora()
+        lora, t = await self._current_lora(), self.timeout  # generation: not control_timeout
         body = generate_body(reqs, batched) | keys
         try:
-            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
+            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs), t)
         except EngineError as e:
             if lora is None or "lora" not in e.problem.lower():
                 raise
@@ -219,7 +219,7 @@ class EngineClient:
             if self._lora in (None, lora):
                 raise
             lora = self._lora
-            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs))
+            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs), t)
         return (batch_items(self.url, data, len(reqs)) if batched else [data]), lora
 
     def _routed(self, body: dict, lora: int | None, reqs: list[GenerateRequest]) -> dict:

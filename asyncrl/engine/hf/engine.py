@@ -167,7 +167,7 @@ class HFEngine:
                 if seq.params.temperature > 0:
                     seed = seq.params.sampling_seed
                     seed = self._seed_rng.getrandbits(63) if seed is None else seed
-                    seq.generator = torch.Generator().manual_seed(seed)
+                    seq.generator = random.Random(seed)
                 if seq.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                 else:
