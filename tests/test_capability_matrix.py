@@ -204,8 +204,9 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
         ), sent
     if choice.get("actor.use_dynamic_bsz"):  # packed: no padded token in a training forward
         assert all(r["learner/padding_frac"] == 0.0 for r in rows)
-    elif "actor.use_dynamic_bsz" in choice:
-        assert all(r["learner/padding_frac"] > 0.0 for r in rows), _seen(
+    elif "actor.use_dynamic_bsz" in choice:  # padded: pads wherever lengths differ (a step
+        # whose sampled responses all share one length has none to pad)
+        assert any(r["learner/padding_frac"] > 0.0 for r in rows), _seen(
             rows, "learner/padding_frac"
         )
     if choice.get("actor.profiler.tool") == "torch" and out is not None:

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from asyncrl.engine.hf.batch import KVBatch, Seq
+from asyncrl.engine.hf.kvcache import decode_cache
 
 
 class StepLock:
@@ -78,7 +79,7 @@ class Lane:
         return [] if self.batch is None else self.batch.seqs
 
     def _forward(self, ids, mask, pos, kv):
-        cache = DynamicCache(kv) if kv else DynamicCache()
+        cache = decode_cache(kv) if kv else DynamicCache()  # appended in place (kvcache.py)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
