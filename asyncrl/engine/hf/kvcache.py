@@ -5,8 +5,8 @@ transformers' `DynamicCache` concatenates each step's new keys and values onto t
 layer per decode step, quadratic in the response length (14 % of a 64-token decode step's
 forward on the CPU engine, measured). Here a layer's keys are a view of the first T columns
 of a buffer with room for more; a step writes its column into that room and widens the view.
-When the room is used up the buffer is reallocated with as much again (amortised: O(1)
-copies per step).
+When the room is used up the buffer is reallocated with as much again: the cache is copied
+once per doubling of its length, not once per step.
 
 Invariant: the buffer behind a running batch's KV belongs to that batch alone: a view is
 only ever widened by the batch that holds it (`KVBatch.select` and `merge` make new tensors,
