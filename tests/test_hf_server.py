@@ -207,7 +207,9 @@ async def _pause_during(c, mode, n=LONG):
             assert held["num_reqs"] == 1 and held["num_waiting_reqs"] == 0
             assert len(PROMPT) + MIN_TOKENS <= held["num_tokens"] < len(PROMPT) + n
         flushed_while_paused = await c.flush_cache()
-        queued = asyncio.create_task(c.generate_one(GenerateRequest([6], {"max_new_tokens": 3})))
+        # ignore_eos: it runs its 3 tokens whatever it samples (a sampled EOS would end it early)
+        after = GenerateRequest([6], {"max_new_tokens": 3, "ignore_eos": True})
+        queued = asyncio.create_task(c.generate_one(after))
         waiting = held["num_waiting_reqs"] + 1
         paused = await wait_for_load(
             c, lambda load: load["num_waiting_reqs"] == waiting, "the new request queued", queued
