@@ -165,7 +165,9 @@ class EngineClient:
         scheduling priority (larger first; honoured by SGLang only with
         `--enable-priority-scheduling`, always by the hf server); None sends none. `pin`: as
         `generate`'s."""
-        return (await self._generate([as_request(self.url, req)], False, _keys(priority, pin)))[0]
+        request = as_request(self.url, req)
+        (item,), lora = await self._post([request], False, _keys(priority, pin))
+        return self._completion(item, request, lora)
 
     async def generate(
         self,
@@ -194,12 +196,6 @@ class EngineClient:
         and the adapter version that served it."""
         items, lora = await self._post(reqs, True, dict(key[1]))
         return [(item, lora) for item in items]
-
-    async def _generate(
-        self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any]
-    ) -> list[Completion]:
-        items, lora = await self._post(reqs, batched, keys)
-        return [self._completion(d, r, lora) for d, r in zip(items, reqs)]
 
     async def _post(
         self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any]
@@ -248,7 +244,8 @@ class EngineClient:
         """True if flushed; False when the engine refuses (requests still running)."""
         status, data = await self._call("POST", "/flush_cache")
         if status not in (200, 400):
-            raise EngineError(self.url, f"/flush_cache answered HTTP {status}: {one_line(data)}")
+            problem = f"/flush_cache answered HTTP {status}: {one_line(data)}"
+            raise EngineError(self.url, problem, status)
         return status == 200
 
     async def profile(self) -> EngineProfile:

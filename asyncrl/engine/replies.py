@@ -10,6 +10,7 @@ every token gets the request's final `weight_version`.
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,10 +29,22 @@ class EngineError(RuntimeError):
         """The HTTP status the engine answered with, where that is the failure."""
 
 
+_HTTP_STATUS = re.compile(r"answered HTTP (\d{3})")
+
+
+def http_status(error: EngineError) -> int | None:
+    """The HTTP status an engine answered with, if the error is one (else None): its `status`,
+    or the one its message names."""
+    if error.status is not None:
+        return error.status
+    match = _HTTP_STATUS.search(str(error))
+    return int(match.group(1)) if match else None
+
+
 def refused_request(error: BaseException) -> bool:
     """Whether the engine refused the request itself (HTTP 4xx): another body may pass."""
-    status = getattr(error, "status", None)
-    return isinstance(error, EngineError) and status is not None and 400 <= status < 500
+    status = http_status(error) if isinstance(error, EngineError) else None
+    return status is not None and 400 <= status < 500
 
 
 class EngineReplyError(EngineError):

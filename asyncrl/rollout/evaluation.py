@@ -3,7 +3,7 @@ weight version a step produced, while the learner goes on training. Env runs pla
 episodes instead (see "Episodes" below).
 
 `submit(step, version)` sends the held-out prompts to the engines as ordinary requests (the
-same SGLang-protocol client, `EVAL_CHUNK` prompts per batched /generate, the same reward
+same SGLang-protocol client, one batched /generate per evaluation engine, the same reward
 function, greedy `sampling_params`) at SGLang priority `logging.eval_priority` (default -1,
 below rollout's 0: on a shared engine evaluation takes the slots rollout leaves free; with
 `logging.eval_engine: dedicated` only to the engine the fleet reserves for it, which rollout
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import time
 from collections import Counter
 from collections.abc import Coroutine
@@ -66,9 +67,6 @@ from asyncrl.weights.sync import WeightSource
 
 #: Episode evaluation modes: the metric prefix of each, and whether it generates greedily.
 EPISODE_MODES = {EVAL_GREEDY: True, EVAL_SAMPLED: False}
-#: Held-out prompts per batched /generate: a few round trips per evaluation instead of one per
-#: prompt (the engine still schedules each prompt alone, at evaluation's priority).
-EVAL_CHUNK = 64
 
 
 def heldout_seed_items(env: EnvConfig, n: int) -> list[PromptItem]:
@@ -203,14 +201,12 @@ class Evaluator:
         pin = await self._pin(clients, version)
         params = sampling_params(self.s.generating, self.s.max_new_tokens, greedy=True)
         reqs = [{"input_ids": it.prompt_ids, "sampling_params": params} for it in self.items]
-        chunks = [reqs[i : i + EVAL_CHUNK] for i in range(0, len(reqs), EVAL_CHUNK)]
+        size = math.ceil(len(reqs) / len(clients))  # one batched /generate per evaluation engine
+        slices = [reqs[i : i + size] for i in range(0, len(reqs), size)]
         done = await asyncio.gather(
-            *(
-                clients[c % len(clients)].generate(chunk, priority=self.priority, pin=pin)
-                for c, chunk in enumerate(chunks)
-            )
+            *(c.generate(part, priority=self.priority, pin=pin) for c, part in zip(clients, slices))
         )
-        outs = [o for chunk in done for o in chunk]
+        outs = [o for part in done for o in part]
         finished = time.perf_counter()
         seen = {v for o in outs for v in (o.token_versions() or [o.version])}
         if seen != {version}:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.client import EngineError
+from asyncrl.engine.replies import http_status
 from asyncrl.rollout.multiturn import EpisodeBuilder, EpisodeError
 from asyncrl.rollout.settings import PromptResult, RolloutSettings
 from asyncrl.rollout.single_turn import AbortedSampleError, GroupBuilder
@@ -28,16 +28,6 @@ from asyncrl.types import RecordError
 T = TypeVar("T")
 #: 4xx answers that mean "not now" rather than "never": timeout, too early, too many requests.
 RETRIABLE_HTTP = frozenset({408, 425, 429})
-_HTTP_STATUS = re.compile(r"answered HTTP (\d{3})")
-
-
-def http_status(error: EngineError) -> int | None:
-    """The HTTP status an engine answered with, if the error is one (else None)."""
-    status = getattr(error, "status", None)
-    if isinstance(status, int):
-        return status
-    match = _HTTP_STATUS.search(str(error))
-    return int(match.group(1)) if match else None
 
 
 def is_retriable(error: BaseException) -> bool:
