@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from asyncrl.engine.hf.batch import KVBatch, Seq
+from asyncrl.engine.hf.decoder import lean_forward_for
 from asyncrl.engine.hf.kvcache import decode_cache
 
 
@@ -73,12 +74,15 @@ class Lane:
         # Only the last position's logits are needed; older model classes lack the argument.
         accepts = inspect.signature(model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+        self._lean = lean_forward_for(model)  # None: transformers' forward (decoder.py)
 
     @property
     def running(self) -> list[Seq]:
         return [] if self.batch is None else self.batch.seqs
 
     def _forward(self, ids, mask, pos, kv):
+        if self._lean is not None:
+            return self._lean(ids, mask, pos, kv)
         cache = decode_cache(kv) if kv else DynamicCache()  # appended in place (kvcache.py)
         out = self.model(
             input_ids=ids,
