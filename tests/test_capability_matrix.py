@@ -85,7 +85,7 @@ def to_overrides(choice: dict[str, Any], models: type[Models] = Models) -> list[
         elif path == "logging.eval_engine" and value == "dedicated":  # 2 engines, evaluations
             out += [f"{path}={value}", "actor_infer.device_mapping=[0,1]"]
             out += ["logging.eval_interval=1", "logging.eval_size=4"]  # small: env runs play 2x
-        elif path == "logging.eval_sync" and value == "pinned":  # evaluations to pin
+        elif path == "logging.eval_sync" and value != "wait":  # evaluations to pin
             out += [f"{path}={value}", "logging.eval_interval=1", "logging.eval_size=4"]
         else:
             out.append(f"{path}={value}")
@@ -214,7 +214,7 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
     ranks = 2 if choice.get("actor_train.device_mapping") == "[0,1]" else 1
     assert all(r.get("learner/world_size", 1.0) == ranks for r in rows)
     evaluated = (choice.get("logging.eval_engine"), choice.get("logging.eval_sync"))
-    if "dedicated" in evaluated or "pinned" in evaluated:  # every step, on its own weights
+    if {"dedicated", "pinned", "auto"} & set(evaluated):  # every step, on its own weights
         assert all(r["eval/version"] == r["step"] for r in rows), _seen(rows, "eval/version")
         assert not any(r.get("rollout/eval_failures") for r in rows), _seen(rows, "eval")
     if choice.get("algorithm.correction_mode") == "bypass":

@@ -222,14 +222,15 @@ def _evaluator(tiny_model, eval_sync: str, kept: int) -> tuple[Evaluator, list[d
 
 
 @pytest.mark.parametrize(("eval_sync", "kept", "pinned"), [
-    ("pinned", 1, True), ("pinned", 0, False), ("wait", 1, False),
+    ("pinned", 1, True), ("pinned", 0, False), ("wait", 1, False), ("auto", 1, True),
+    ("auto", 0, False),
 ])  # fmt: skip
 def test_evaluation_pins_its_requests_only_when_asked_and_kept(tiny_model, eval_sync, kept, pinned):
     ev, sent = _evaluator(tiny_model, eval_sync, kept)
     outs, _ = asyncio.run(ev._generate(3))
     assert outs == [[5], [5]]
     assert (sent[0].get(PIN_KEY) == "3") if pinned else PIN_KEY not in sent[0]
-    assert ev.kept_versions == (kept if eval_sync == "pinned" else 0)
+    assert ev.kept_versions == (kept if eval_sync != "wait" else 0)
     if pinned:  # and the hf server reads it back
         assert [s.pin for s in parse_generate(sent[0], print)[0]] == ["3", "3"]
 
@@ -260,3 +261,5 @@ def test_pinned_evaluation_is_refused_for_engines_that_hold_one_version():
             None, ["logging.eval_sync=pinned", "actor_infer.strategy_args.strategy_name=sglang"]
         )
     assert load_config(None, ["logging.eval_sync=pinned"]).logging.eval_sync == "pinned"
+    sglang = ["actor_infer.strategy_args.strategy_name=sglang"]  # auto: waits there, no error
+    assert load_config(None, sglang).logging.eval_sync == "auto"

@@ -1,5 +1,5 @@
 """Request priority (SGLang's `priority` on /generate): the hf engine admits waiting requests by
-it, the hf server checks it, evaluation puts `logging.eval_priority` on its requests, and the
+it and lets background work (below 0: evaluation) yield to the rest, the hf server checks it, evaluation puts `logging.eval_priority` on its requests, and the
 SGLang launcher turns priority scheduling on only when evaluation needs it."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from asyncrl.config.schema import LoggingConfig
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.client import EngineClient
+from asyncrl.engine.hf import schedule
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq
 from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.engine.hf.protocol import parse_generate
@@ -83,6 +84,60 @@ def test_retracted_requests_keep_their_place_within_their_priority():
         with cond:
             assert cond.wait_for(lambda: len(done) == 3, DEADLINE_S), done
         assert done == ["first", "second", "eval"]
+    finally:
+        engine.stop()
+
+
+def _rows(*priorities: int) -> list[Seq]:
+    return [Seq(f"r{i}", [3], None, None, priority=p) for i, p in enumerate(priorities)]
+
+
+def test_background_requests_are_admitted_only_when_no_foreground_row_runs():
+    """Below priority 0 is background: never admitted beside a running or just-admitted
+    foreground row; otherwise BACKGROUND_ADMIT a step and half the batch in all."""
+    ev = _rows(*[-1] * 200)
+    assert schedule.admit(ev, [], 256, busy=True) == []  # a foreground row runs
+    mixed = [*ev[:3], *_rows(0, 0)]
+    assert [s.priority for s in schedule.admit(mixed, [], 256, busy=False)] == [0, 0]
+    assert schedule.admit(ev, [], 256, busy=False) == ev[: schedule.BACKGROUND_ADMIT]
+    # 100 background rows hold slots already (and a foreground one in a paused lane): to half
+    assert len(schedule.admit(ev, _rows(*[-1] * 100, 0), 256, busy=False)) == 28
+    assert schedule.admit(ev, _rows(*[-1] * 128), 256, busy=False) == []
+    assert schedule.admit(_rows(0, 5, 0), _rows(*[-1] * 255), 256, busy=False)[0].priority == 5
+    assert len(schedule.admit(_rows(0, 0), _rows(*[0] * 255), 256, busy=True)) == 1  # the slot
+
+
+def test_a_background_only_lane_decodes_every_few_steps_while_foreground_rows_run():
+    rollout = SimpleNamespace(running=_rows(0, -1))  # a mixed lane counts as foreground
+    evaluation = SimpleNamespace(running=_rows(-1, -1))
+    idle = SimpleNamespace(running=[])
+    every = schedule.BACKGROUND_EVERY
+    due = [
+        schedule.due_lanes([rollout, evaluation, idle], step) for step in range(1, 2 * every + 1)
+    ]
+    assert [evaluation in d for d in due].count(True) == 2  # steps every, 2 * every
+    assert all(rollout in d for d in due)
+    assert schedule.due_lanes([evaluation, idle], 1) == [evaluation, idle]  # nothing to yield to
+
+
+def test_hf_engine_runs_evaluation_after_the_rollout_rows_running_beside_it():
+    """A background request queued while a foreground one runs waits (a free slot does not
+    take it) and runs once the foreground row is gone."""
+    engine = HFEngine(random_qwen2(), max_batch_size=8, seed=0)
+    done: list[str] = []
+    cond = threading.Condition()
+    engine.start()
+    try:
+        engine.submit(_seq("rollout", 0, done, cond, LONG))
+        _wait_until(lambda: engine.load()["num_waiting_reqs"] == 0, "the rollout row to run")
+        engine.submit(_seq("eval", -1, done, cond, 2))
+        start = engine.load()["num_tokens"]
+        _wait_until(lambda: engine.load()["num_tokens"] >= start + 20, "20 rollout steps")
+        assert engine.load()["num_waiting_reqs"] == 1  # 20 steps with 7 free slots: it waits
+        assert engine.abort("rollout") == 1
+        with cond:
+            assert cond.wait_for(lambda: len(done) == 2, DEADLINE_S), done
+        assert done == ["rollout", "eval"]
     finally:
         engine.stop()
 

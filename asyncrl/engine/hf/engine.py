@@ -8,11 +8,12 @@ One scheduler thread owns the model. Each iteration, under `step_lock`:
   3. finished rows (stop token, max_new_tokens, context limit) leave the batch and are
      answered.
 Admission is by priority, SGLang's convention (`priority` on /generate, a larger value first,
-as `--enable-priority-scheduling` without `--schedule-low-priority-values-first`; null = 0):
-FIFO within a priority, and a free slot always goes to a waiting request, so a low-priority
-request runs whenever no higher one waits. Running requests are never preempted for priority
-(SGLang preempts when the gap reaches `--priority-scheduling-preemption-threshold`, 10): an
-evaluation request at -1 below rollout at 0 only waits for its turn.
+as `--enable-priority-scheduling` without `--schedule-low-priority-values-first`; null = 0),
+FIFO within a priority; work below priority 0 (held-out evaluation's -1) yields to the rest:
+admitted only in steps that run no foreground row, and a lane of such rows alone decoded every
+few steps while foreground rows run (`schedule.py`). Running requests are never preempted or
+retracted for priority (SGLang preempts when the gap reaches
+`--priority-scheduling-preemption-threshold`, 10).
 Control calls (pause/continue/abort/flush/weight load) take `step_lock`, so they act between
 steps and never see a half-done step; `step_lock` is fair to them (a waiting control call goes
 before the next step), so one acts within the step in progress. Lock order is always
@@ -49,6 +50,7 @@ from collections import deque
 
 import torch
 
+from asyncrl.engine.hf import schedule
 from asyncrl.engine.hf.batch import KVBatch, Seq, merge, sample
 from asyncrl.engine.hf.lanes import Lane, Lanes, StepLock, eos_ids
 
@@ -91,6 +93,7 @@ class HFEngine:
         self._seed_rng = random.Random(seed)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self.error: BaseException | None = None
+        self._steps = 0  # steps run (`schedule.due_lanes` counts by it)
         self.step_failures = 0  # steps that raised (their requests failed, the engine went on)
         self.last_step_ok = True
 
@@ -273,9 +276,9 @@ class HFEngine:
         only its own requests; the scheduler carries on."""
         with self._cond:
             lanes = self._lanes.all()
-            admit = self._take_waiting(self.max_batch_size - sum(len(x.running) for x in lanes))
-            if self._paused:
-                lanes = lanes[1:]  # the live weights wait; kept ones go on
+            stepping = lanes[1:] if self._paused else lanes  # the live weights wait; kept go on
+            running = [s for lane in lanes for s in lane.running]
+            admit = self._take_waiting(running, schedule.busy(stepping))
         ok = True
         with torch.inference_mode():
             for lane, seqs in self._by_lane(admit):
@@ -284,7 +287,8 @@ class HFEngine:
                     lane.batch = merge(lane.batch, self._sample_and_retire(batch, logits, lane))
                 except Exception as e:  # the running batch is untouched: only `seqs` fail
                     ok = self._fail_step(seqs, "prefill", e)
-            for lane in lanes:
+            self._steps += 1
+            for lane in schedule.due_lanes(stepping, self._steps):  # after the prefills
                 if lane.batch is None:
                     continue
                 try:
@@ -309,17 +313,15 @@ class HFEngine:
                 out.setdefault(id(lane), (lane, []))[1].append(s)
         return list(out.values())
 
-    def _take_waiting(self, n: int) -> list[Seq]:
-        """Up to `n` waiting requests, removed from the queue: the highest `priority` first,
-        queue order within one priority (FIFO, retracted requests at the head); while paused,
-        only those a kept version serves. A request waits only while a higher-priority one
-        holds the slot it would take, so it runs as soon as none waits (no aging: a steady
-        stream of higher-priority work can hold it, as in SGLang). Caller holds `_cond`."""
-        if n <= 0 or not self._waiting:
+    def _take_waiting(self, running: list[Seq], busy: bool) -> list[Seq]:
+        """The waiting requests `schedule.admit` picks to join `running` (`busy`: a foreground
+        row runs), removed from the queue; while paused, only those a kept version serves.
+        Caller holds `_cond`."""
+        if not self._waiting:
             return []
         queue = list(self._waiting)
         ready = [s for s in queue if s.pin in self._lanes.kept] if self._paused else queue
-        admit = sorted(ready, key=lambda s: -s.priority)[:n]  # stable: FIFO within a priority
+        admit = schedule.admit(ready, running, self.max_batch_size, busy)
         taken = {id(s) for s in admit}
         self._waiting = deque(s for s in queue if id(s) not in taken)
         return admit

@@ -1,0 +1,71 @@
+"""The hf engine's scheduling policy: which waiting requests a step admits and which lanes it
+decodes. Pure functions over the engine's state (the engine holds its locks around them).
+
+Order: SGLang's priority scheduling (a larger `priority` first, FIFO within one, retracted
+requests at the head of their priority; no aging). Unlike SGLang, work below the default
+priority (0, what rollout requests carry; `priority < 0`, held-out evaluation's -1 by default)
+is *background* and yields to foreground work (priority >= 0):
+
+- background requests are admitted only in a step that runs no foreground row (none running
+  in a stepping lane, none admitted by it), at most `BACKGROUND_ADMIT` per step and half the
+  batch in all: a foreground request arriving meanwhile waits one short step (never a 256-row
+  prefill) and finds room;
+- a lane whose rows are all background (an evaluation pinned to a kept weight version) is
+  decoded, while foreground rows run, every `BACKGROUND_EVERY`-th step only.
+
+Why: held-out evaluation beside rollout on one engine. Admitted whenever a slot was free, a
+500-prompt evaluation filled the batch at once (a 27 ms prefill, then ~5 ms decode steps) and
+the next rollout batch, which the learner needed within one learner step, came several times
+later: the learner idled at every evaluation. Yielding, evaluation runs in the engine's idle
+time (on the CPU default a rollout batch is ~12 ms of a ~40 ms learner step) and rollout keeps
+its latency. Background rows already in a lane with foreground ones (admitted before the
+foreground work arrived) decode with them: the rows of one lane share one forward.
+
+Never starved: a background-only lane gets every `BACKGROUND_EVERY`-th step even on an engine
+that foreground work keeps busy, and background requests are admitted whenever a step finds
+no foreground row running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from asyncrl.engine.hf.batch import Seq
+from asyncrl.engine.hf.lanes import Lane
+
+#: Requests below this priority are background (SGLang's default priority: rollout's).
+FOREGROUND = 0
+#: Background requests one step admits at most (bounds that step's prefill).
+BACKGROUND_ADMIT = 64
+#: While foreground rows run, a background-only lane is decoded every this many steps.
+BACKGROUND_EVERY = 4
+
+
+def admit(ready: Sequence[Seq], running: Sequence[Seq], max_batch: int, busy: bool) -> list[Seq]:
+    """The requests of `ready` (the queue, in order) to admit beside `running` (every lane's
+    rows), `max_batch` running in all: the highest priority first, queue order within one;
+    background ones only when no foreground row runs (`busy`: one does in a stepping lane) nor
+    is admitted now, at most `BACKGROUND_ADMIT` a step and half the batch in all (the other
+    half stays free for foreground requests to come)."""
+    n = max_batch - len(running)
+    if n <= 0:
+        return []
+    ordered = sorted(ready, key=lambda s: -s.priority)  # stable: FIFO within a priority
+    front = [s for s in ordered if s.priority >= FOREGROUND][:n]
+    if busy or front:
+        return front
+    room = max(1, max_batch // 2) - sum(s.priority < FOREGROUND for s in running)
+    return ordered[: max(0, min(n, room, BACKGROUND_ADMIT))]
+
+
+def due_lanes(lanes: Sequence[Lane], step: int) -> list[Lane]:
+    """The lanes to decode this step: all, except that while a lane runs foreground rows,
+    background-only lanes only every `BACKGROUND_EVERY`-th step."""
+    if step % BACKGROUND_EVERY == 0 or not busy(lanes):
+        return list(lanes)
+    return [lane for lane in lanes if busy([lane])]
+
+
+def busy(lanes: Sequence[Lane]) -> bool:
+    """Whether a foreground row runs in one of `lanes`."""
+    return any(s.priority >= FOREGROUND for lane in lanes for s in lane.running)
