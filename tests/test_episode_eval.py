@@ -117,17 +117,21 @@ def evaluator(
     return Evaluator(logging, 10, heldout_seed_items(env, size), settings, fleet), sent
 
 
-def test_pinned_episode_evaluation_pins_every_turn_to_the_steps_version(tiny_model, runner):
-    """`logging.eval_sync: pinned` against an engine that keeps pinned versions: every turn's
-    request of every held-out episode names the step's weight version."""
+def test_episode_evaluation_is_never_pinned_and_pinned_is_refused_for_env_runs(tiny_model, runner):
+    """An episode's turns come one after another and an engine keeps a version only while
+    requests pinned to it are queued or running: `auto` leaves episodes unpinned (the syncs
+    wait for them) even on an engine that keeps versions, and `pinned` is refused."""
+    from asyncrl.config import ConfigError, load_config
     from asyncrl.engine.versions import HF_SERVER_VERSION, PIN_KEY, profile_for
 
-    ev, sent = evaluator(tiny_model, runner, engine_version=3, eval_sync="pinned")
+    ev, sent = evaluator(tiny_model, runner, engine_version=3, eval_sync="auto")
     ev.fleet.clients[0]._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": 1})
     assert ev.submit(5, 3, source=None)
     [(step, m)] = ev.drain()
-    assert step == 5 and m["eval/accuracy"] == 1.0 and ev.kept_versions == 1
-    assert len(sent) == 16 and all(body[PIN_KEY] == "3" for body in sent)
+    assert step == 5 and m["eval/accuracy"] == 1.0 and ev.kept_versions == 0
+    assert len(sent) == 16 and not any(PIN_KEY in body for body in sent)
+    with pytest.raises(ConfigError, match="pinned is for single-turn evaluation"):
+        load_config(None, ["env.name=guess_number", "logging.eval_sync=pinned"])
 
 
 def test_heldout_seeds_are_fixed_and_disjoint_from_the_training_seeds():

@@ -166,7 +166,7 @@ def _evaluator(
 ) -> tuple[Evaluator, list[dict]]:
     """A real Evaluator whose engine edge (the HTTP call) records each body and answers it;
     `logging` instead of the default one at `priority`; `kept`: the engine is an hf server
-    that keeps that many pinned versions (None: never asked)."""
+    that keeps that many pinned versions (None: one that keeps none, as SGLang)."""
     sent: list[dict] = []
     client = EngineClient("http://127.0.0.1:9")
 
@@ -179,8 +179,7 @@ def _evaluator(
         return [one] * len(body["input_ids"]) if batched else one
 
     client._call_ok = call_ok
-    if kept is not None:
-        client._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": kept})
+    client._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": kept or 0})
     if logging is None:
         logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
     settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model))

@@ -27,7 +27,9 @@ class LoggingConfig:
     eval_priority: int = -1
     """SGLang `priority` of the evaluation's /generate requests (a signed 64-bit int; rollout
     requests run at 0; a larger value is admitted first). -1: evaluation yields to rollout, so
-    it fills the engines' idle slots instead of delaying training batches. With sglang, a value
+    it fills the engines' idle slots instead of delaying training batches (the hf engine admits
+    work below 0 only in steps that run no rollout row: `engine/hf/schedule.py`; SGLang only
+    orders its queue by it). With sglang, a value
     other than 0 adds `--enable-priority-scheduling --default-priority-value 0` to the server
     command (`engine/sglang.py`); 0 sends no priority at all."""
     eval_engine: Literal["shared", "dedicated"] = "shared"
@@ -45,9 +47,11 @@ class LoggingConfig:
     from a copy of v's weights, so the sync goes ahead at once and evaluation runs beside
     rollout, in the engine's idle time (below priority 0 it yields to rollout:
     `engine/hf/schedule.py`), across as many steps as it takes; a sync waits only while more
-    evaluations are unfinished than the engines keep versions for. auto: pinned where every
-    evaluation engine keeps pinned versions (asyncrl's hf server), else wait (SGLang holds one
-    version at a time)."""
+    evaluations are unfinished than the engines keep versions for; single-turn evaluation only
+    (an env run's episodes send each turn after the last, and an engine keeps a version only
+    while requests pinned to it are queued or running). auto: pinned for single-turn
+    evaluation where every evaluation engine keeps pinned versions (asyncrl's hf server), else
+    wait (SGLang holds one version at a time; env runs)."""
     plots: bool = True
     """Write PNG plots and a summary at the end."""
 
