@@ -11,8 +11,9 @@ From each run's metrics.jsonl (steps >= 2): the learner's idle % (`learner/idle_
 by the step's phase, `step % eval_interval` (phase 1 is the step after an evaluation was
 submitted), the run's wall time over those steps, and how long an evaluation took
 (`eval/seconds`). Target (issue 16): with `auto`, no phase's idle more than 5 points above the
-median phase's (the learner-idle figure does not rise at evaluation steps). Medians over the
-rounds; every run's rows are kept in the result.
+median phase's (the learner-idle figure does not rise at evaluation steps). Also each run's
+mean and worst single-step idle (a step can idle when the engine is over capacity, whatever its
+phase). Medians over the rounds; every run's rows are kept in the result.
 
     asyncrl bench eval-idle [--smoke] [--rounds 2] [--steps 60]
 """
@@ -57,6 +58,8 @@ def analyse(rows: list[dict[str, Any]], interval: int) -> dict[str, Any]:
     return {
         "idle_pct_by_phase": idle,
         "rise_pct": max(idle.values()) - statistics.median(idle.values()),
+        "idle_pct_mean": statistics.mean(100 * r["learner/idle_frac"] for r in steps),
+        "idle_pct_max": max(100 * r["learner/idle_frac"] for r in steps),
         "wall_s": steps[-1]["time"] - steps[0]["time"],
         "eval_s": statistics.median(evals) if evals else 0.0,
         "evals": len(evals),
@@ -94,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows = run_once(Path(tmp) / f"{mode}{i}", mode, steps, extra)
                 results[mode].append(analyse(rows, interval))
     phases = sorted(results["auto"][0]["idle_pct_by_phase"])
-    headers = ["eval_sync", *(f"idle% {p}" for p in phases), "rise pts", "wall s", "eval s"]
+    headers = ["eval_sync", *(f"idle% {p}" for p in phases), "rise pts", "idle% mean", "max"]
+    headers += ["wall s", "eval s"]
     table = [
         [mode, *(statistics.median(r["idle_pct_by_phase"][p] for r in runs) for p in phases),
-         _median(runs, "rise_pct"), _median(runs, "wall_s"), _median(runs, "eval_s")]
+         *(_median(runs, k) for k in ("rise_pct", "idle_pct_mean", "idle_pct_max", "wall_s",
+                                      "eval_s"))]
         for mode, runs in results.items()
     ]  # fmt: skip
     print_table(f"learner idle % by step % {interval} (medians over {rounds} round(s))", headers,
