@@ -10,8 +10,8 @@ One scheduler thread owns the model. Each iteration, under `step_lock`:
 Admission is by priority, SGLang's convention (`priority` on /generate, a larger value first,
 as `--enable-priority-scheduling` without `--schedule-low-priority-values-first`; null = 0),
 FIFO within a priority; work below priority 0 (held-out evaluation's -1) yields to the rest:
-admitted only in steps that run no foreground row, and a lane of such rows alone decoded every
-few steps while foreground rows run (`schedule.py`). Running requests are never preempted or
+admitted in steps that run no foreground row, beside them only a few every few steps, and a
+lane of such rows alone decoded every few steps while foreground rows run (`schedule.py`). Running requests are never preempted or
 retracted for priority (SGLang preempts when the gap reaches
 `--priority-scheduling-preemption-threshold`, 10).
 Control calls (pause/continue/abort/flush/weight load) take `step_lock`, so they act between
@@ -93,7 +93,7 @@ class HFEngine:
         self._seed_rng = random.Random(seed)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self.error: BaseException | None = None
-        self._steps = 0  # steps run (`schedule.due_lanes` counts by it)
+        self._steps = 0  # steps begun (`schedule` shares steps with background work by it)
         self.step_failures = 0  # steps that raised (their requests failed, the engine went on)
         self.last_step_ok = True
 
@@ -278,6 +278,7 @@ class HFEngine:
             lanes = self._lanes.all()
             stepping = lanes[1:] if self._paused else lanes  # the live weights wait; kept go on
             running = [s for lane in lanes for s in lane.running]
+            self._steps += 1
             admit = self._take_waiting(running, schedule.busy(stepping))
         ok = True
         with torch.inference_mode():
@@ -287,7 +288,6 @@ class HFEngine:
                     lane.batch = merge(lane.batch, self._sample_and_retire(batch, logits, lane))
                 except Exception as e:  # the running batch is untouched: only `seqs` fail
                     ok = self._fail_step(seqs, "prefill", e)
-            self._steps += 1
             for lane in schedule.due_lanes(stepping, self._steps):  # after the prefills
                 if lane.batch is None:
                     continue
@@ -321,7 +321,7 @@ class HFEngine:
             return []
         queue = list(self._waiting)
         ready = [s for s in queue if s.pin in self._lanes.kept] if self._paused else queue
-        admit = schedule.admit(ready, running, self.max_batch_size, busy)
+        admit = schedule.admit(ready, running, self.max_batch_size, busy, self._steps)
         taken = {id(s) for s in admit}
         self._waiting = deque(s for s in queue if id(s) not in taken)
         return admit

@@ -6,10 +6,11 @@ requests at the head of their priority; no aging). Unlike SGLang, work below the
 priority (0, what rollout requests carry; `priority < 0`, held-out evaluation's -1 by default)
 is *background* and yields to foreground work (priority >= 0):
 
-- background requests are admitted only in a step that runs no foreground row (none running
-  in a stepping lane, none admitted by it), at most `BACKGROUND_ADMIT` per step and half the
-  batch in all: a foreground request arriving meanwhile waits one short step (never a 256-row
-  prefill) and finds room;
+- background requests are admitted in a step that runs no foreground row (none running in a
+  stepping lane, none admitted by it), at most `BACKGROUND_ADMIT` per step and half the batch
+  in all: a foreground request arriving meanwhile waits one short step (never a 256-row
+  prefill) and finds room; beside foreground rows, only a quarter of that every
+  `BACKGROUND_EVERY`-th step;
 - a lane whose rows are all background (an evaluation pinned to a kept weight version) is
   decoded, while foreground rows run, every `BACKGROUND_EVERY`-th step only.
 
@@ -21,9 +22,8 @@ time (on the CPU default a rollout batch is ~12 ms of a ~40 ms learner step) and
 its latency. Background rows already in a lane with foreground ones (admitted before the
 foreground work arrived) decode with them: the rows of one lane share one forward.
 
-Never starved: a background-only lane gets every `BACKGROUND_EVERY`-th step even on an engine
-that foreground work keeps busy, and background requests are admitted whenever a step finds
-no foreground row running.
+Never starved: on an engine that foreground work keeps busy, background requests are still
+admitted and their lanes decoded every `BACKGROUND_EVERY`-th step.
 """
 
 from __future__ import annotations
@@ -41,21 +41,27 @@ BACKGROUND_ADMIT = 64
 BACKGROUND_EVERY = 4
 
 
-def admit(ready: Sequence[Seq], running: Sequence[Seq], max_batch: int, busy: bool) -> list[Seq]:
-    """The requests of `ready` (the queue, in order) to admit beside `running` (every lane's
-    rows), `max_batch` running in all: the highest priority first, queue order within one;
-    background ones only when no foreground row runs (`busy`: one does in a stepping lane) nor
-    is admitted now, at most `BACKGROUND_ADMIT` a step and half the batch in all (the other
-    half stays free for foreground requests to come)."""
+def admit(
+    ready: Sequence[Seq], running: Sequence[Seq], max_batch: int, busy: bool, step: int
+) -> list[Seq]:
+    """The requests of `ready` (the queue, in order) to admit in step `step` beside `running`
+    (every lane's rows), `max_batch` running in all: the highest priority first, queue order
+    within one. Background ones: at most half the batch in all (the other half stays free for
+    foreground requests to come) and `BACKGROUND_ADMIT` a step when no foreground row runs
+    (`busy`: one does in a stepping lane) nor is admitted now; else a quarter of that, every
+    `BACKGROUND_EVERY`-th step only (a share, so that none waits forever)."""
     n = max_batch - len(running)
     if n <= 0:
         return []
     ordered = sorted(ready, key=lambda s: -s.priority)  # stable: FIFO within a priority
     front = [s for s in ordered if s.priority >= FOREGROUND][:n]
-    if busy or front:
+    contended = busy or bool(front)
+    if contended and step % BACKGROUND_EVERY:
         return front
+    cap = BACKGROUND_ADMIT // 4 if contended else BACKGROUND_ADMIT
     room = max(1, max_batch // 2) - sum(s.priority < FOREGROUND for s in running)
-    return ordered[: max(0, min(n, room, BACKGROUND_ADMIT))]
+    back = [s for s in ordered if s.priority < FOREGROUND]
+    return front + back[: max(0, min(n - len(front), room, cap))]
 
 
 def due_lanes(lanes: Sequence[Lane], step: int) -> list[Lane]:
