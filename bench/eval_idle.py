@@ -33,8 +33,10 @@ TARGET_RISE_PCT = 5.0
 SMOKE = ["logging.eval_interval=2", "logging.eval_size=16", "rollout_batch_size=2"]
 
 
-def run_once(out: Path, mode: str, steps: int, extra: list[str]) -> list[dict[str, Any]]:
-    """One default run with `logging.eval_sync: mode`; its metrics rows."""
+def run_once(out: Path, mode: str, steps: int, extra: list[str]) -> tuple[list[dict], int]:
+    """One default run with `logging.eval_sync: mode`: its metrics rows and evaluation
+    interval. An evaluation that failed or ran off its version fails the bench (an idle-free
+    run that dropped its evaluations would prove nothing)."""
     from asyncrl.config import load_config
     from asyncrl.run import run
 
@@ -44,7 +46,12 @@ def run_once(out: Path, mode: str, steps: int, extra: list[str]) -> list[dict[st
         "actor.checkpoint.save_contents=[]", *extra,
     ])  # fmt: skip
     run(cfg)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    dropped = {k: v for k in ("rollout/eval_failures", "rollout/eval_off_version")
+               if (v := rows[-1].get(k))}  # fmt: skip
+    if dropped:
+        raise RuntimeError(f"eval_sync {mode}: evaluations dropped: {dropped}")
+    return rows, cfg.logging.eval_interval
 
 
 def analyse(rows: list[dict[str, Any]], interval: int) -> dict[str, Any]:
@@ -89,12 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds, steps = (1, 6) if args.smoke else (args.rounds, args.steps)
     extra = SMOKE if args.smoke else []
-    interval = 2 if args.smoke else 5  # configs/default.yaml's logging.eval_interval
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             for mode in MODES if i % 2 == 0 else reversed(MODES):  # alternating order
-                rows = run_once(Path(tmp) / f"{mode}{i}", mode, steps, extra)
+                rows, interval = run_once(Path(tmp) / f"{mode}{i}", mode, steps, extra)
                 results[mode].append(analyse(rows, interval))
     phases = sorted(results["auto"][0]["idle_pct_by_phase"])
     headers = ["eval_sync", *(f"idle% {p}" for p in phases), "rise pts", "idle% mean", "max"]

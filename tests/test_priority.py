@@ -111,6 +111,12 @@ def test_background_requests_are_admitted_when_no_foreground_row_runs_else_a_sha
     full = _rows(*[-1] * 255)
     assert schedule.admit(_rows(0, 5, 0), full, 256, busy=False, step=1)[0].priority == 5
     assert len(schedule.admit(_rows(0, 0), _rows(*[0] * 255), 256, busy=True, step=1)) == 1
+    # a share step keeps its slots even from a foreground queue longer than the free slots
+    queue = _rows(-1, 0, 0, 0)
+    assert [s.rid for s in schedule.admit(queue, _rows(*[0] * 6), 8, True, every)] == ["r1", "r0"]
+    assert schedule.admit(queue, _rows(*[0] * 6), 8, True, 1) == queue[1:3]
+    # a batch of 1 keeps strict priority: no share while foreground waits
+    assert schedule.admit(_rows(-1, 0), [], 1, busy=False, step=every)[0].priority == 0
 
 
 def test_a_background_only_lane_decodes_every_few_steps_while_foreground_rows_run():

@@ -28,8 +28,8 @@ class LoggingConfig:
     """SGLang `priority` of the evaluation's /generate requests (a signed 64-bit int; rollout
     requests run at 0; a larger value is admitted first). -1: evaluation yields to rollout, so
     it fills the engines' idle slots instead of delaying training batches (the hf engine admits
-    work below 0 only in steps that run no rollout row: `engine/hf/schedule.py`; SGLang only
-    orders its queue by it). With sglang, a value
+    work below 0 in steps that run no rollout row, beside rollout only a small share every few
+    steps: `engine/hf/schedule.py`; SGLang only orders its queue by it). With sglang, a value
     other than 0 adds `--enable-priority-scheduling --default-priority-value 0` to the server
     command (`engine/sglang.py`); 0 sends no priority at all."""
     eval_engine: Literal["shared", "dedicated"] = "shared"

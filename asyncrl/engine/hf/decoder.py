@@ -14,8 +14,8 @@ are matmul-bound and gain ~10 %.
 
 Only what it was checked against is taken (`lean_forward_for` returns None otherwise and the
 engine runs transformers' forward): model type qwen2 or llama, SiLU MLP, default rotary
-embedding, no sliding window, fp32/bf16 on any device, layers made of exactly the modules the
-arithmetic below reads. `tests/test_decoder.py` holds it to transformers' logits and KV on
+embedding, no sliding window, in the model's dtype on any device, layers made of exactly the
+modules the arithmetic below reads. `tests/test_decoder.py` holds it to transformers' logits and KV on
 prefill (left padding) and decode (rows of different lengths).
 
 Attention masks: a prefill row attends causally to its own non-padding positions; a padding
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KV | None], tuple[torch.Tensor, KV]]
 _TYPES = ("qwen2", "llama")
+#: SDPA takes `enable_gqa` (torch >= 2.5; the project allows 2.4).
+_NATIVE_GQA = torch.__version__ >= "2.5"
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 #: torch's SiLU module and transformers' own (the class `hidden_act: silu` builds).
@@ -100,6 +102,7 @@ class _Decoder:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.scaling = float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))
+        self.layers = int(cfg.num_hidden_layers)  # transformers runs this many of `layers`
 
     def __call__(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV | None
@@ -109,7 +112,7 @@ class _Decoder:
         cos, sin = self._rotary(pos, h.dtype)
         allowed = _prefill_mask(mask) if kv is None else mask[:, None, None, :].bool()
         out: KV = []
-        for i, layer in enumerate(inner.layers):
+        for i, layer in enumerate(inner.layers[: self.layers]):
             past = None if kv is None else kv[i]
             x = _norm(h, layer.input_layernorm)
             a, layer_kv = self._attention(layer, x, cos, sin, allowed, past)
@@ -145,11 +148,22 @@ class _Decoder:
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if past is not None:
             k, v = append(past[0], k), append(past[1], v)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, enable_gqa=self.kv_heads != self.heads
-        )
+        group = self.heads // self.kv_heads
+        if group > 1 and _NATIVE_GQA and q.device.type == "cpu":  # 5-8 % faster decode here
+            o = F.scaled_dot_product_attention(q, k, v, allowed, enable_gqa=True)
+        else:  # with a mask on CUDA, SDPA's GQA falls back to its math path (transformers'
+            # `use_gqa_in_sdpa`): K/V heads repeated for the query heads, as its `repeat_kv`
+            o = F.scaled_dot_product_attention(q, _repeat(k, group), _repeat(v, group), allowed)
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return F.linear(o, attn.o_proj.weight, attn.o_proj.bias), (k, v)
+        return _linear(attn.o_proj, o), (k, v)
+
+
+def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, H_kv, T, D] -> [B, H_kv * group, T, D], each K/V head serving `group` query heads."""
+    if group == 1:
+        return kv
+    b, h, t, d = kv.shape
+    return kv[:, :, None].expand(b, h, group, t, d).reshape(b, h * group, t, d)
 
 
 def _prefill_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -180,5 +194,4 @@ def _norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
 
 
 def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-    gate = F.linear(x, mlp.gate_proj.weight)
-    return F.linear(F.silu(gate) * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))

@@ -202,6 +202,7 @@ class HFEngine:
     def abort(self, rid: str | None = None) -> int:
         """Abort one request by rid (None: all). Returns how many were aborted."""
         with self.step_lock, self._cond:
+            self._cond.notify_all()  # freed slots: a request waiting for one may run now
             return self._abort_where(lambda s: rid is None or s.rid == rid, "aborted by request")
 
     def keep_pinned(self) -> None:
@@ -345,8 +346,9 @@ class HFEngine:
         kept = self._lanes.kept
         if any(lane.batch is not None for lane in kept.values()):
             return True
-        if self._paused:
-            return any(s.pin in kept for s in self._waiting)
+        if self._paused:  # a kept version's waiting request, and a free slot for it
+            free = sum(len(lane.running) for lane in self._lanes.all()) < self.max_batch_size
+            return free and any(s.pin in kept for s in self._waiting)
         return bool(self._waiting) or self._lanes.live.batch is not None
 
     def _sample_and_retire(self, b: KVBatch, logits: torch.Tensor, lane: Lane) -> KVBatch | None:

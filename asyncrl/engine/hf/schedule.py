@@ -9,8 +9,8 @@ is *background* and yields to foreground work (priority >= 0):
 - background requests are admitted in a step that runs no foreground row (none running in a
   stepping lane, none admitted by it), at most `BACKGROUND_ADMIT` per step and half the batch
   in all: a foreground request arriving meanwhile waits one short step (never a 256-row
-  prefill) and finds room; beside foreground rows, only a quarter of that every
-  `BACKGROUND_EVERY`-th step;
+  prefill) and, with a batch of 2 or more, finds room; beside foreground rows a quarter of
+  that every `BACKGROUND_EVERY`-th step, slots kept for it even from waiting foreground ones;
 - a lane whose rows are all background (an evaluation pinned to a kept weight version) is
   decoded, while foreground rows run, every `BACKGROUND_EVERY`-th step only.
 
@@ -49,19 +49,23 @@ def admit(
     within one. Background ones: at most half the batch in all (the other half stays free for
     foreground requests to come) and `BACKGROUND_ADMIT` a step when no foreground row runs
     (`busy`: one does in a stepping lane) nor is admitted now; else a quarter of that, every
-    `BACKGROUND_EVERY`-th step only (a share, so that none waits forever)."""
+    `BACKGROUND_EVERY`-th step only (a share, so that none waits forever; with a batch of 1,
+    strict priority: none)."""
     n = max_batch - len(running)
     if n <= 0:
         return []
     ordered = sorted(ready, key=lambda s: -s.priority)  # stable: FIFO within a priority
-    front = [s for s in ordered if s.priority >= FOREGROUND][:n]
+    front = [s for s in ordered if s.priority >= FOREGROUND]
+    back = [s for s in ordered if s.priority < FOREGROUND]
     contended = busy or bool(front)
     if contended and step % BACKGROUND_EVERY:
-        return front
+        return front[:n]
+    # background holds half the batch at most; a batch of 1 its one slot, when uncontended
+    half = max_batch // 2 if contended else max(1, max_batch // 2)
+    room = half - sum(s.priority < FOREGROUND for s in running)
     cap = BACKGROUND_ADMIT // 4 if contended else BACKGROUND_ADMIT
-    room = max(1, max_batch // 2) - sum(s.priority < FOREGROUND for s in running)
-    back = [s for s in ordered if s.priority < FOREGROUND]
-    return front + back[: max(0, min(n - len(front), room, cap))]
+    share = max(0, min(n, room, cap, len(back)))  # slots kept from foreground on a shared step
+    return front[: n - share] + back[:share]
 
 
 def due_lanes(lanes: Sequence[Lane], step: int) -> list[Lane]:
