@@ -1,13 +1,16 @@
 """Evaluation off the critical path: the real loop (Ray, rollout actors, an hf engine server,
-the torch learner) with held-out evaluation every step. Nothing is faked; the evaluation's
-requests are held back (with a deadline) until the learner has finished the next step, which
-only a loop that trains while an evaluation is in flight can do."""
+the torch learner) with held-out evaluation every step, `logging.eval_sync` auto (pinned) and
+wait. Nothing is faked; each evaluation is held in flight (with a deadline) until the learner
+has finished the next step, which only a loop that trains while an evaluation is in flight can
+do."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+
+import pytest
 
 import asyncrl.run as run_module
 from asyncrl.rollout.evaluation import Evaluator
@@ -16,8 +19,9 @@ from tests.test_e2e import shrunk
 DEADLINE_S = 120.0
 
 
+@pytest.mark.parametrize("eval_sync", ["auto", "wait"])
 def test_learner_steps_while_an_evaluation_is_in_flight_and_results_land_on_their_step(
-    tiny_model, tmp_path, monkeypatch
+    tiny_model, tmp_path, monkeypatch, eval_sync
 ):
     steps_done: list[int] = []  # learner versions after each completed step
     stepped = threading.Condition()
@@ -46,14 +50,23 @@ def test_learner_steps_while_an_evaluation_is_in_flight_and_results_land_on_thei
             with stepped:
                 return stepped.wait_for(lambda: version + 1 in steps_done, DEADLINE_S)
 
-        # The last step's evaluation has no next step: it runs at once (and must still land).
+        # Generated at once (pinned to `version` with `auto`: its requests must reach the engine
+        # before that version is replaced), then held in flight until the next step is done.
+        # The last step's evaluation has no next step: it completes at once (and must land).
+        out = await real_generate(self, version)
         last = version == 3
         held.append((version, last or await asyncio.to_thread(next_step_done)))
-        return await real_generate(self, version)
+        return out
 
     monkeypatch.setattr(run_module, "make_learner", make_learner)
     monkeypatch.setattr(Evaluator, "_generate", generate)
-    cfg = shrunk(tiny_model, tmp_path, "max_steps=3", "logging.eval_interval=1")
+    cfg = shrunk(
+        tiny_model,
+        tmp_path,
+        "max_steps=3",
+        "logging.eval_interval=1",
+        f"logging.eval_sync={eval_sync}",
+    )
     summary = run_module.run(cfg)
 
     # every evaluation but the last was still in flight when the learner finished a later step
