@@ -15,8 +15,8 @@ are matmul-bound and gain ~10 %.
 Only what it was checked against is taken (`lean_forward_for` returns None otherwise and the
 engine runs transformers' forward): model type qwen2 or llama, SiLU MLP, default rotary
 embedding, no sliding window, in the model's dtype on any device, layers made of exactly the
-modules the arithmetic below reads. `tests/test_decoder.py` holds it to transformers' logits and KV on
-prefill (left padding) and decode (rows of different lengths).
+modules the arithmetic below reads. `tests/test_decoder.py` holds it to transformers' logits
+and KV on prefill (left padding) and decode (rows of different lengths).
 
 Attention masks: a prefill row attends causally to its own non-padding positions; a padding
 position attends to itself only, so its (unused) outputs stay finite and never turn the real
