@@ -57,20 +57,21 @@ def run_once(out: Path, mode: str, steps: int, extra: list[str]) -> tuple[list[d
 def analyse(rows: list[dict[str, Any]], interval: int) -> dict[str, Any]:
     """Idle % by phase (`step % interval`), the wall time of steps 2.., evaluation seconds."""
     steps = [r for r in rows if r["step"] >= 2 and "learner/idle_frac" in r]
+    by_step = [(r["step"], 100 * r["learner/idle_frac"]) for r in steps]
     phases: dict[int, list[float]] = {}
-    for r in steps:
-        phases.setdefault(r["step"] % interval, []).append(100 * r["learner/idle_frac"])
+    for step, pct in by_step:
+        phases.setdefault(step % interval, []).append(pct)
     idle = {p: statistics.mean(v) for p, v in sorted(phases.items())}
     evals = [r["eval/seconds"] for r in rows if "eval/seconds" in r]
     return {
         "idle_pct_by_phase": idle,
         "rise_pct": max(idle.values()) - statistics.median(idle.values()),
-        "idle_pct_mean": statistics.mean(100 * r["learner/idle_frac"] for r in steps),
-        "idle_pct_max": max(100 * r["learner/idle_frac"] for r in steps),
+        "idle_pct_mean": statistics.mean(pct for _, pct in by_step),
+        "idle_pct_max": max(pct for _, pct in by_step),
         "wall_s": steps[-1]["time"] - steps[0]["time"],
         "eval_s": statistics.median(evals) if evals else 0.0,
         "evals": len(evals),
-        "idle_pct_by_step": [(r["step"], 100 * r["learner/idle_frac"]) for r in steps],
+        "idle_pct_by_step": by_step,
     }
 
 

@@ -5,8 +5,10 @@ SGLang launcher turns priority scheduling on only when evaluation needs it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -46,12 +48,20 @@ def _wait_until(pred, what: str) -> None:
         threading.Event().wait(0.005)
 
 
-def test_hf_engine_admits_a_later_higher_priority_request_first_fifo_within_a_priority():
-    engine = HFEngine(random_qwen2(), max_batch_size=1, seed=0)
-    done: list[str] = []
-    cond = threading.Condition()
+@contextlib.contextmanager
+def _engine(max_batch_size: int) -> Iterator[tuple[HFEngine, list[str], threading.Condition]]:
+    """A running hf engine over a random model, the rids it finished (in order) and the
+    condition notified at each; stopped on the way out."""
+    engine = HFEngine(random_qwen2(), max_batch_size=max_batch_size, seed=0)
     engine.start()
     try:
+        yield engine, [], threading.Condition()
+    finally:
+        engine.stop()
+
+
+def test_hf_engine_admits_a_later_higher_priority_request_first_fifo_within_a_priority():
+    with _engine(1) as (engine, done, cond):
         engine.submit(_seq("filler", 0, done, cond, LONG))
         # the filler holds the only slot: everything submitted from now on waits
         _wait_until(lambda: engine.load()["num_waiting_reqs"] == 0, "the filler to run")
@@ -65,16 +75,10 @@ def test_hf_engine_admits_a_later_higher_priority_request_first_fifo_within_a_pr
         # one slot: each request finishes before the next is admitted, so the finish order is
         # the admission order: priority first, arrival within one; the lowest still runs
         assert done == ["filler", "high1", "high2", "mid1", "low1", "low2"]
-    finally:
-        engine.stop()
 
 
 def test_retracted_requests_keep_their_place_within_their_priority():
-    engine = HFEngine(random_qwen2(), max_batch_size=1, seed=0)
-    done: list[str] = []
-    cond = threading.Condition()
-    engine.start()
-    try:
+    with _engine(1) as (engine, done, cond):
         engine.submit(_seq("first", 0, done, cond, 40))
         _wait_until(lambda: engine.load()["num_waiting_reqs"] == 0, "the first request to run")
         engine.submit(_seq("second", 0, done, cond, 2))
@@ -84,8 +88,6 @@ def test_retracted_requests_keep_their_place_within_their_priority():
         with cond:
             assert cond.wait_for(lambda: len(done) == 3, DEADLINE_S), done
         assert done == ["first", "second", "eval"]
-    finally:
-        engine.stop()
 
 
 def _rows(*priorities: int) -> list[Seq]:
@@ -135,11 +137,7 @@ def test_a_background_only_lane_decodes_every_few_steps_while_foreground_rows_ru
 def test_hf_engine_never_starves_background_work_beside_busy_foreground_work():
     """An evaluation request queued while a long rollout request keeps the engine busy joins
     it in a shared step and finishes first; the rollout request runs on undisturbed."""
-    engine = HFEngine(random_qwen2(), max_batch_size=8, seed=0)
-    done: list[str] = []
-    cond = threading.Condition()
-    engine.start()
-    try:
+    with _engine(8) as (engine, done, cond):
         engine.submit(_seq("rollout", 0, done, cond, LONG))
         _wait_until(lambda: engine.load()["num_waiting_reqs"] == 0, "the rollout row to run")
         engine.submit(_seq("eval", -1, done, cond, 2))
@@ -147,8 +145,6 @@ def test_hf_engine_never_starves_background_work_beside_busy_foreground_work():
             assert cond.wait_for(lambda: done == ["eval"], DEADLINE_S), done
         assert engine.load()["num_reqs"] == 1  # the rollout request is still running
         assert engine.abort("rollout") == 1
-    finally:
-        engine.stop()
 
 
 def test_generate_body_priority_is_checked():

@@ -103,6 +103,11 @@ class _Decoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.scaling = float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))
         self.layers = int(cfg.num_hidden_layers)  # transformers runs this many of `layers`
+        self.group = self.heads // self.kv_heads  # query heads per K/V head
+        # SDPA's own GQA where it is there and fast (5-8 % faster decode on CPU); with a mask
+        # on CUDA it falls back to its math path (transformers' `use_gqa_in_sdpa`)
+        device = next(model.parameters()).device
+        self.native_gqa = self.group > 1 and _NATIVE_GQA and device.type == "cpu"
 
     def __call__(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV | None
@@ -148,12 +153,11 @@ class _Decoder:
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if past is not None:
             k, v = append(past[0], k), append(past[1], v)
-        group = self.heads // self.kv_heads
-        if group > 1 and _NATIVE_GQA and q.device.type == "cpu":  # 5-8 % faster decode here
+        if self.native_gqa:
             o = F.scaled_dot_product_attention(q, k, v, allowed, enable_gqa=True)
-        else:  # with a mask on CUDA, SDPA's GQA falls back to its math path (transformers'
-            # `use_gqa_in_sdpa`): K/V heads repeated for the query heads, as its `repeat_kv`
-            o = F.scaled_dot_product_attention(q, _repeat(k, group), _repeat(v, group), allowed)
+        else:  # K/V heads repeated for the query heads, as transformers' `repeat_kv`
+            g = self.group
+            o = F.scaled_dot_product_attention(q, _repeat(k, g), _repeat(v, g), allowed)
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return _linear(attn.o_proj, o), (k, v)
 

@@ -11,9 +11,9 @@ Admission is by priority, SGLang's convention (`priority` on /generate, a larger
 as `--enable-priority-scheduling` without `--schedule-low-priority-values-first`; null = 0),
 FIFO within a priority; work below priority 0 (held-out evaluation's -1) yields to the rest:
 admitted in steps that run no foreground row, beside them only a few every few steps, and a
-lane of such rows alone decoded every few steps while foreground rows run (`schedule.py`). Running requests are never preempted or
-retracted for priority (SGLang preempts when the gap reaches
-`--priority-scheduling-preemption-threshold`, 10).
+lane of such rows alone decoded every few steps while foreground rows run (`schedule.py`).
+Running requests are never preempted or retracted for priority (SGLang preempts when the gap
+reaches `--priority-scheduling-preemption-threshold`, 10).
 Control calls (pause/continue/abort/flush/weight load) take `step_lock`, so they act between
 steps and never see a half-done step; `step_lock` is fair to them (a waiting control call goes
 before the next step), so one acts within the step in progress. Lock order is always
