@@ -112,12 +112,14 @@ def finish(
     args: argparse.Namespace,
     plot: Callable[[Any], None] | None = None,
     argv: Sequence[str] | None = None,
+    bench: str | None = None,
 ) -> int:
-    """Stamp, compare, write JSON (+ PNG) and optionally the baseline; the exit code."""
+    """Stamp, compare, write JSON (+ PNG) and optionally the baseline; the exit code. `bench`:
+    the `asyncrl bench` command that wrote it, when not `name` (one bench, several results)."""
     result = {
         "name": name,
         "smoke": bool(args.smoke),
-        "command": f"asyncrl bench {name.replace('_', '-')} " + " ".join(argv or []),
+        "command": f"asyncrl bench {bench or name.replace('_', '-')} " + " ".join(argv or []),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
         **result,

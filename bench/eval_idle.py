@@ -15,7 +15,11 @@ median phase's (the learner-idle figure does not rise at evaluation steps). Also
 mean and worst single-step idle (a step can idle when the engine is over capacity, whatever its
 phase). Medians over the rounds; every run's rows are kept in the result.
 
-    asyncrl bench eval-idle [--smoke] [--rounds 2] [--steps 60]
+`--config` runs another recipe the same way, e.g. an env run's held-out episodes
+(`configs/agentic_guess_number.yaml`: pinned where the engines lease a version between an
+episode's turns); its result is `eval_idle_<config name>`.
+
+    asyncrl bench eval-idle [--smoke] [--rounds 2] [--steps 60] [--config PATH]
 """
 
 from __future__ import annotations
@@ -29,18 +33,21 @@ from typing import Any
 from common import finish, headline, make_parser, print_table
 
 MODES = ("wait", "auto")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 TARGET_RISE_PCT = 5.0
 SMOKE = ["logging.eval_interval=2", "logging.eval_size=16", "rollout_batch_size=2"]
 
 
-def run_once(out: Path, mode: str, steps: int, extra: list[str]) -> tuple[list[dict], int]:
-    """One default run with `logging.eval_sync: mode`: its metrics rows and evaluation
+def run_once(
+    config: Path, out: Path, mode: str, steps: int, extra: list[str]
+) -> tuple[list[dict], int]:
+    """One run of `config` with `logging.eval_sync: mode`: its metrics rows and evaluation
     interval. An evaluation that failed or ran off its version fails the bench (an idle-free
     run that dropped its evaluations would prove nothing)."""
     from asyncrl.config import load_config
     from asyncrl.run import run
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml", [
+    cfg = load_config(config, [
         f"output_dir={out}", f"max_steps={steps}", f"logging.eval_sync={mode}",
         "logging.console=false", "logging.plots=false", "logging.tensorboard=false",
         "actor.checkpoint.save_contents=[]", *extra,
@@ -79,14 +86,14 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def _plot(results: dict[str, list[dict[str, Any]]], fig: Any) -> None:
+def _plot(results: dict[str, list[dict[str, Any]]], name: str, fig: Any) -> None:
     ax = fig.subplots()
     for mode, runs in results.items():
         steps, idle = zip(*runs[0]["idle_pct_by_step"], strict=True)
         ax.plot(steps, idle, marker=".", label=f"eval_sync: {mode} (round 0)")
     ax.set_xlabel("step")
     ax.set_ylabel("learner idle %")
-    ax.set_title("default run: learner idle per step (evaluation every interval)")
+    ax.set_title(f"{name}: learner idle per step (evaluation every interval)")
     ax.legend()
 
 
@@ -94,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=2, help="wait+auto pairs (median)")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="recipe to run")
     args = parser.parse_args(argv)
     rounds, steps = (1, 6) if args.smoke else (args.rounds, args.steps)
     extra = SMOKE if args.smoke else []
@@ -101,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             for mode in MODES if i % 2 == 0 else reversed(MODES):  # alternating order
-                rows, interval = run_once(Path(tmp) / f"{mode}{i}", mode, steps, extra)
+                out = Path(tmp) / f"{mode}{i}"
+                rows, interval = run_once(args.config, out, mode, steps, extra)
                 results[mode].append(analyse(rows, interval))
     phases = sorted(results["auto"][0]["idle_pct_by_phase"])
     headers = ["eval_sync", *(f"idle% {p}" for p in phases), "rise pts", "idle% mean", "max"]
@@ -127,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         "table": {"headers": headers, "rows": table},
         "runs": results,
     }
-    return finish("eval_idle", result, args, lambda fig: _plot(results, fig), argv)
+    stem = args.config.stem
+    name = "eval_idle" if args.config == DEFAULT_CONFIG else f"eval_idle_{stem}"
+    return finish(name, result, args, lambda fig: _plot(results, stem, fig), argv, "eval-idle")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 training episodes' own code (`EpisodeBuilder`), greedy and sampled, pinned to a weight version,
 at the evaluation priority; and the real loop logging it into metrics.jsonl.
 
-Faked: only the engine's HTTP edge (`EngineClient._call_ok`), which plays a known policy, and a
+Faked: only the engine's HTTP edge (`EngineClient._call`), which plays a known policy, and a
 scripted environment. The Evaluator, the EpisodeBuilder, the client's request/reply code and the
 control event loop are real."""
 
@@ -20,6 +20,7 @@ from asyncrl.config import load_config
 from asyncrl.config.schema import EnvConfig, GeneratingArgs, LoggingConfig
 from asyncrl.data.env_prompts import HELDOUT_SEED_BASE, heldout_seeds, seed_rows
 from asyncrl.engine.client import EngineClient
+from asyncrl.engine.versions import HF_SERVER_VERSION, PIN_KEY
 from asyncrl.net import AsyncRunner
 from asyncrl.rollout.evaluation import Evaluator, heldout_seed_items
 from asyncrl.rollout.settings import RolloutSettings
@@ -69,16 +70,26 @@ def policy(text: str, greedy: bool) -> str:
     return str(secret) if secret % 2 == 0 else str((secret + 1) % 10)
 
 
-def scripted_engine(tokenizer: Any, version: int) -> tuple[EngineClient, list[dict]]:
-    """A real client whose HTTP call is answered by `policy`, every token at `version`."""
+def scripted_engine(
+    tokenizer: Any, version: int, info: dict | None = None
+) -> tuple[EngineClient, list[dict]]:
+    """A real client whose HTTP calls are answered: /generate by `policy`, every token at
+    `version`; /server_info with `info` (default: an hf server keeping versions, no lease)."""
     sent: list[dict] = []
     client = EngineClient("http://127.0.0.1:9")
+    info = {"max_pinned_versions": 2} if info is None else info
 
-    async def call_ok(method, path, body=None, timeout_s=None):
+    async def call(method, path, body=None, timeout_s=None):
+        if path == "/server_info":
+            return 200, {"version": HF_SERVER_VERSION, **info}
+        assert path == "/generate", path
         sent.append(body)
-        greedy = body["sampling_params"]["temperature"] == 0.0
-        ids = tokenizer.encode(policy(tokenizer.decode(body["input_ids"]), greedy))
-        ids.append(tokenizer.eos_token_id)
+        if body["sampling_params"]["max_new_tokens"] == 0:  # a lease (rollout/evaluation.py)
+            ids = []
+        else:
+            greedy = body["sampling_params"]["temperature"] == 0.0
+            ids = tokenizer.encode(policy(tokenizer.decode(body["input_ids"]), greedy))
+            ids.append(tokenizer.eos_token_id)
         meta = {
             "finish_reason": {"type": "stop"},
             "weight_version": str(version),
@@ -86,9 +97,9 @@ def scripted_engine(tokenizer: Any, version: int) -> tuple[EngineClient, list[di
             "output_token_weight_versions": [str(version)] * len(ids),
             "output_token_logprobs": [[-0.1, i, None] for i in ids],
         }
-        return {"output_ids": ids, "meta_info": meta}
+        return 200, {"output_ids": ids, "meta_info": meta}
 
-    client._call_ok = call_ok
+    client._call = call
     return client, sent
 
 
@@ -100,7 +111,13 @@ def runner():
 
 
 def evaluator(
-    tiny_model, runner, engine_version: int, size: int = 4, env: EnvConfig | None = None, **log
+    tiny_model,
+    runner,
+    engine_version: int,
+    size: int = 4,
+    env: EnvConfig | None = None,
+    info: dict | None = None,
+    **log,
 ):
     from transformers import AutoTokenizer
 
@@ -109,7 +126,7 @@ def evaluator(
         ["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model), env=env,
         generating=GeneratingArgs(temperature=TEMPERATURE), response_length=64, seed=0,
     )  # fmt: skip
-    client, sent = scripted_engine(AutoTokenizer.from_pretrained(tiny_model), engine_version)
+    client, sent = scripted_engine(AutoTokenizer.from_pretrained(tiny_model), engine_version, info)
     fleet = SimpleNamespace(
         clients=[client], eval_clients=lambda: [client], runner=runner, heal=lambda source: None
     )
@@ -117,21 +134,30 @@ def evaluator(
     return Evaluator(logging, 10, heldout_seed_items(env, size), settings, fleet), sent
 
 
-def test_episode_evaluation_is_never_pinned_and_pinned_is_refused_for_env_runs(tiny_model, runner):
-    """An episode's turns come one after another and an engine keeps a version only while
-    requests pinned to it are queued or running: `auto` leaves episodes unpinned (the syncs
-    wait for them) even on an engine that keeps versions, and `pinned` is refused."""
-    from asyncrl.config import ConfigError, load_config
-    from asyncrl.engine.versions import HF_SERVER_VERSION, PIN_KEY, profile_for
-
-    ev, sent = evaluator(tiny_model, runner, engine_version=3, eval_sync="auto")
-    ev.fleet.clients[0]._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": 1})
+@pytest.mark.parametrize(("info", "pinned"), [
+    ({"max_pinned_versions": 1, "pinned_version_linger_s": 5.0}, True),
+    ({"max_pinned_versions": 1}, False),  # keeps versions, but not between two turns
+    ({"max_pinned_versions": 0, "pinned_version_linger_s": 5.0}, False),
+])  # fmt: skip
+def test_episode_evaluation_is_pinned_only_where_the_engine_leases_versions(
+    tiny_model, runner, info, pinned
+):
+    """An episode's turns come one after another: its requests are pinned (every turn, greedy
+    and sampled) only where the engines keep a pinned version and lease it between requests;
+    elsewhere they go unpinned and the syncs wait for them (`kept_versions` 0). `pinned` is
+    accepted for env runs on hf engines."""
+    ev, sent = evaluator(tiny_model, runner, engine_version=3, info=info, eval_sync="auto")
     assert ev.submit(5, 3, source=None)
     [(step, m)] = ev.drain()
-    assert step == 5 and m["eval/accuracy"] == 1.0 and ev.kept_versions == 0
-    assert len(sent) == 16 and not any(PIN_KEY in body for body in sent)
-    with pytest.raises(ConfigError, match="pinned is for single-turn evaluation"):
-        load_config(None, ["env.name=guess_number", "logging.eval_sync=pinned"])
+    assert step == 5 and m["eval/accuracy"] == 1.0 and ev.kept_versions == int(pinned)
+    lease = [b for b in sent if b["sampling_params"]["max_new_tokens"] == 0]
+    turns = [b for b in sent if b not in lease]
+    assert len(turns) == 16 and [b.get(PIN_KEY) for b in turns] == ["3" if pinned else None] * 16
+    # where it pins, the version is held first: a request of no tokens, sent before submit returns
+    assert [b.get(PIN_KEY) for b in lease] == (["3"] if pinned else [])
+    assert sent[: len(lease)] == lease
+    cfg = load_config(None, ["env.name=guess_number", "logging.eval_sync=pinned"])
+    assert cfg.logging.eval_sync == "pinned"
 
 
 def test_heldout_seeds_are_fixed_and_disjoint_from_the_training_seeds():
@@ -255,6 +281,10 @@ def test_real_loop_logs_heldout_episode_metrics_into_metrics_jsonl(tiny_model, t
             assert r[f"eval/{mode}/episodes_failed"] == 0.0
         assert r["eval/accuracy"] == r["eval/greedy/solved_frac"]
     assert summary["eval_count"] == 3
+    # pinned (the hf server leases each version between an episode's turns): none refused
+    assert not any(
+        r.get("rollout/eval_failures") or r.get("rollout/eval_off_version") for r in rows
+    )
 
 
 def test_frozenlake_reports_success_on_the_goal_only():

@@ -45,7 +45,7 @@ def test_learner_steps_while_an_evaluation_is_in_flight_and_results_land_on_thei
 
     real_generate = Evaluator._generate
 
-    async def generate(self, version):
+    async def generate(self, clients, version, pin):
         def next_step_done() -> bool:
             with stepped:
                 return stepped.wait_for(lambda: version + 1 in steps_done, DEADLINE_S)
@@ -53,7 +53,7 @@ def test_learner_steps_while_an_evaluation_is_in_flight_and_results_land_on_thei
         # Generated at once (pinned to `version` with `auto`: its requests must reach the engine
         # before that version is replaced), then held in flight until the next step is done.
         # The last step's evaluation has no next step: it completes at once (and must land).
-        out = await real_generate(self, version)
+        out = await real_generate(self, clients, version, pin)
         last = version == 3
         held.append((version, last or await asyncio.to_thread(next_step_done)))
         return out

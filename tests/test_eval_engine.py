@@ -142,8 +142,11 @@ def test_dedicated_engine_serves_evaluation_alone(tiny_model, tmp_path):
     assert sorted(proxies) == [0, 1]  # both engines were started behind a proxy
     rollout_engine, eval_engine = proxies[0].generate_bodies(), proxies[1].generate_bodies()
     assert rollout_engine and not any(is_eval(b) for b in rollout_engine)
-    assert all(is_eval(b) for b in eval_engine)  # 3 evaluations x 6 prompts, batched:
-    assert sorted(len(b["input_ids"]) for b in eval_engine) == [6, 6, 6]
+    assert all(is_eval(b) for b in eval_engine)  # 3 evaluations x 6 prompts, batched, each
+    # after a request of no tokens that starts its version's lease (rollout/evaluation.py)
+    leases = [b for b in eval_engine if b["input_ids"] == [0]]  # not batched: one request
+    assert [b["pin_weight_version"] for b in leases] == ["0", "2", "4"]
+    assert sorted(len(b["input_ids"]) for b in eval_engine if b not in leases) == [6, 6, 6]
     # The rollout engine gets every version (the initial push and steps 1-4); the evaluation
     # engine, in a weight group of its own, the initial push and the evaluation steps' (2, 4)
     # alone, and no sync between two evaluations waited for the one in flight.

@@ -5,7 +5,6 @@ ahead while no more evaluations are unfinished than the engines keep versions fo
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import copy
 import threading
@@ -23,6 +22,7 @@ from asyncrl.engine.versions import HF_SERVER_VERSION, PIN_KEY, profile_for
 from asyncrl.rollout.evaluation import Evaluator, _InFlight
 from tests.helpers import random_qwen2
 from tests.test_priority import _evaluator as priority_evaluator
+from tests.test_priority import evaluate_once
 
 DEADLINE_S = 60.0
 LONG = 200  # tokens a request runs for: far more than pass between two looks at it
@@ -217,22 +217,34 @@ def test_the_generate_field_and_the_servers_profile():
     assert profile_for("0.5.23", {"max_pinned_versions": 2}).pinned_versions == 0  # SGLang
 
 
-def _evaluator(tiny_model, eval_sync: str, kept: int) -> tuple[Evaluator, list[dict]]:
-    return priority_evaluator(tiny_model, -1, LoggingConfig(eval_sync=eval_sync), kept)
+def _evaluator(
+    tiny_model, eval_sync: str, kept: int, linger_s: float = 0.0
+) -> tuple[Evaluator, list[dict]]:
+    return priority_evaluator(tiny_model, -1, LoggingConfig(eval_sync=eval_sync), kept, linger_s)
 
 
 @pytest.mark.parametrize(("eval_sync", "kept", "pinned"), [
     ("pinned", 1, True), ("pinned", 0, False), ("wait", 1, False), ("auto", 1, True),
     ("auto", 0, False),
 ])  # fmt: skip
-def test_evaluation_pins_its_requests_only_when_asked_and_kept(tiny_model, eval_sync, kept, pinned):
-    ev, sent = _evaluator(tiny_model, eval_sync, kept)
-    outs, _ = asyncio.run(ev._generate(3))
-    assert outs == [[5], [5]]
-    assert (sent[0].get(PIN_KEY) == "3") if pinned else PIN_KEY not in sent[0]
+@pytest.mark.parametrize("linger_s", [0.0, 5.0])
+def test_evaluation_pins_its_requests_only_when_asked_and_kept(
+    tiny_model, eval_sync, kept, pinned, linger_s
+):
+    """Pinned where asked and the engines keep versions; where they also lease them, a pinned
+    request of no tokens holds the version first (the hf server parses it)."""
+    ev, sent = _evaluator(tiny_model, eval_sync, kept, linger_s)
+    outs, _ = evaluate_once(ev)
+    leased = pinned and linger_s > 0
+    lease, body = sent if leased else [None, *sent]
+    assert outs == [[5], [5]] and len(sent) == 1 + leased
+    assert (body.get(PIN_KEY) == "3") if pinned else PIN_KEY not in body
     assert ev.kept_versions == (kept if eval_sync != "wait" else 0)
     if pinned:  # and the hf server reads it back
-        assert [s.pin for s in parse_generate(sent[0], print)[0]] == ["3", "3"]
+        assert [s.pin for s in parse_generate(body, print)[0]] == ["3", "3"]
+    if leased:
+        [seq] = parse_generate(lease, print)[0]
+        assert seq.pin == "3" and seq.params.max_new_tokens == 0
 
 
 def test_a_sync_waits_only_for_the_evaluations_beyond_what_the_engines_keep(tiny_model):

@@ -167,11 +167,16 @@ def test_generate_body_priority_is_checked():
 
 
 def _evaluator(
-    tiny_model, priority: int | None, logging: LoggingConfig | None = None, kept: int | None = None
+    tiny_model,
+    priority: int | None,
+    logging: LoggingConfig | None = None,
+    kept: int | None = None,
+    linger_s: float = 0.0,
 ) -> tuple[Evaluator, list[dict]]:
     """A real Evaluator whose engine edge (the HTTP call) records each body and answers it;
     `logging` instead of the default one at `priority`; `kept`: the engine is an hf server
-    that keeps that many pinned versions (None: one that keeps none, as SGLang)."""
+    that keeps that many pinned versions (None: one that keeps none, as SGLang), leased for
+    `linger_s`."""
     sent: list[dict] = []
     client = EngineClient("http://127.0.0.1:9")
 
@@ -184,7 +189,8 @@ def _evaluator(
         return [one] * len(body["input_ids"]) if batched else one
 
     client._call_ok = call_ok
-    client._profile = profile_for(HF_SERVER_VERSION, {"max_pinned_versions": kept or 0})
+    info = {"max_pinned_versions": kept or 0, "pinned_version_linger_s": linger_s}
+    client._profile = profile_for(HF_SERVER_VERSION, info)
     if logging is None:
         logging = LoggingConfig() if priority is None else LoggingConfig(eval_priority=priority)
     settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", 1, str(tiny_model))
@@ -193,16 +199,26 @@ def _evaluator(
     return Evaluator(logging, 10, items, settings, fleet), sent
 
 
+def evaluate_once(ev: Evaluator, version: int = 3) -> tuple[list[list[int]], float]:
+    """What `Evaluator.submit` runs for one evaluation, on a loop of its own: pin, generate."""
+
+    async def run() -> tuple[list[list[int]], float]:
+        clients = ev.fleet.eval_clients()
+        return await ev._generate(clients, version, await ev._pin(clients, version))
+
+    return asyncio.run(run())
+
+
 def test_evaluation_requests_carry_eval_priority_and_parse_on_the_hf_server(tiny_model):
     ev, sent = _evaluator(tiny_model, None)
-    outs, _ = asyncio.run(ev._generate(3))
+    outs, _ = evaluate_once(ev)
     assert outs == [[5], [5]] and len(sent) == 1  # both prompts in one batched request
     assert sent[0]["input_ids"] == [[1, 2], [1, 2]]
     assert all(body["priority"] == -1 for body in sent)  # default: below rollout's 0
     parsed, batched = parse_generate(sent[0], lambda s: None)
     assert batched and [seq.priority for seq in parsed] == [-1, -1]
     ev, sent = _evaluator(tiny_model, 0)
-    asyncio.run(ev._generate(3))
+    evaluate_once(ev)
     assert all("priority" not in body for body in sent)  # same priority as rollout: none sent
 
 
@@ -214,7 +230,7 @@ def test_evaluation_body_fits_sglangs_generate_struct(tiny_model, version):
     whl = wheel(version)
     structs = read_structs(whl.read("sglang/srt/managers/io_struct.py").decode())
     ev, sent = _evaluator(tiny_model, -1)
-    asyncio.run(ev._generate(3))
+    evaluate_once(ev)
     assert violations(structs["GenerateReqInput"], sent[0]) == []
     assert violations(structs["GenerateReqInput"], {**sent[0], "priority": "low"})  # live
     if "sglang/api/v1/api_types.py" in whl.namelist():

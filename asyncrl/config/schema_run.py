@@ -47,11 +47,12 @@ class LoggingConfig:
     from a copy of v's weights, so the sync goes ahead at once and evaluation runs beside
     rollout, in the engine's idle time (below priority 0 it yields to rollout:
     `engine/hf/schedule.py`), across as many steps as it takes; a sync waits only while more
-    evaluations are unfinished than the engines keep versions for; single-turn evaluation only
-    (an env run's episodes send each turn after the last, and an engine keeps a version only
-    while requests pinned to it are queued or running). auto: pinned for single-turn
-    evaluation where every evaluation engine keeps pinned versions (asyncrl's hf server), else
-    wait (SGLang holds one version at a time; env runs)."""
+    evaluations are unfinished than the engines keep versions for. An env run's episodes send
+    each turn after the last: they are pinned only where the engines also lease a version
+    between requests (the hf server's `--pinned-version-linger-s`, default 5 s after its last
+    pinned request), else the syncs wait for them. auto: pinned where every evaluation engine
+    keeps pinned versions (asyncrl's hf server), else wait (SGLang holds one version at a
+    time)."""
     plots: bool = True
     """Write PNG plots and a summary at the end."""
 

@@ -138,17 +138,12 @@ def _check_loop(cfg: Config) -> None:
 
 def _check_eval_engine(cfg: Config) -> None:
     """`logging.eval_engine: dedicated` takes the last engine from rollout: one must be left.
-    `logging.eval_sync: pinned` needs engines that keep pinned versions (asyncrl's hf) and
-    single-turn evaluation."""
+    `logging.eval_sync: pinned` needs engines that keep pinned versions (asyncrl's hf)."""
     infer, log = cfg.actor_infer, cfg.logging
     engine = infer.strategy_args.strategy_name
     if log.eval_sync == "pinned" and engine != "hf_infer":
         raise ConfigError(f"logging.eval_sync: pinned needs hf_infer engines (they keep a pinned "
                           f"version's weights); {engine} holds one version at a time: use wait")  # fmt: skip
-    if log.eval_sync == "pinned" and cfg.env is not None:
-        raise ConfigError("logging.eval_sync: pinned is for single-turn evaluation: an env run's "
-                          "episodes send each turn after the last, and an engine keeps a version "
-                          "only while requests pinned to it are queued or running; use auto")  # fmt: skip
     if log.eval_engine != "dedicated":
         return
     urls = infer.strategy_args.strategy_config.get("server_urls") or []  # attached servers

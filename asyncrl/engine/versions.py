@@ -23,7 +23,8 @@ Read from SGLang's own source (wheels 0.5.6, 0.5.21, 0.5.23; see tests/test_sgla
 
 `hf` is asyncrl's own server (`engine/hf`): the newest protocol, minus the session, plus
 requests pinned to a weight version (`PIN_KEY`), which it keeps serving from a copy of those
-weights across updates (`pinned_versions`, from its /server_info).
+weights across updates (`pinned_versions`, from its /server_info) and for a lease after the
+last one (`pinned_linger_s`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class EngineProfile:
     pinned_versions: int = 0
     """Weight versions besides the live one the engine keeps serving `PIN_KEY` requests from
     (0: none, SGLang; a pinned request must finish before its version is replaced)."""
+    pinned_linger_s: float = 0.0
+    """How long a version stays kept after its last pinned request (0: only while one is
+    queued or running): what lets an episode's turns, one after another, stay pinned."""
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -95,7 +99,10 @@ def profile_for(version: str, info: Mapping[str, Any] | None = None) -> EnginePr
     if version == HF_SERVER_VERSION:
         kept = (info or {}).get("max_pinned_versions", 0)
         ok = isinstance(kept, int) and not isinstance(kept, bool) and kept >= 0
-        return EngineProfile(version, pinned_versions=kept if ok else 0)
+        linger = (info or {}).get("pinned_version_linger_s", 0.0)
+        finite = isinstance(linger, int | float) and not isinstance(linger, bool)
+        linger = float(linger) if finite and 0 <= linger < float("inf") else 0.0
+        return EngineProfile(version, pinned_versions=kept if ok else 0, pinned_linger_s=linger)
     v = parse_version(version)
     if not MIN_VERSION <= v <= MAX_VERSION:
         lo, hi = (".".join(map(str, x)) for x in (MIN_VERSION, MAX_VERSION))

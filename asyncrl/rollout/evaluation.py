@@ -33,9 +33,10 @@ dropped and counted (`eval_off_version`), never logged against a step whose weig
 not measure. An engine error drops the evaluation
 too (`eval_failures`); the dead engine is healed by the loop; the run goes on.
 
-Episodes (`settings.env` set; never pinned, so the syncs wait for them: an episode's turns
-come one after another, and an engine keeps a version only while requests pinned to it are
-queued or running): the items are held-out env seeds (`heldout_seed_items`, disjoint
+Episodes (`settings.env` set; pinned as above only where every evaluation engine also leases a
+pinned version between requests, `EngineProfile.pinned_linger_s` > 0, asyncrl's hf server:
+an episode's next turn is sent only once its previous one came back, so its version must
+outlive the gap; elsewhere the syncs wait for them): the items are held-out env seeds (`heldout_seed_items`, disjoint
 from the training seeds: `data/env_prompts.py`), each played once greedily (temperature 0) and
 once sampled (the run's sampling settings, per-request seeds derived from the item's key, so
 every evaluation draws the same noise), by the training episodes' own code
@@ -71,6 +72,8 @@ from asyncrl.weights.sync import WeightSource
 
 #: Episode evaluation modes: the metric prefix of each, and whether it generates greedily.
 EPISODE_MODES = {EVAL_GREEDY: True, EVAL_SAMPLED: False}
+#: A pinned request of no tokens: on an engine that leases pinned versions, it starts one.
+LEASE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 0}}
 
 
 def heldout_seed_items(env: EnvConfig, n: int) -> list[PromptItem]:
@@ -118,10 +121,9 @@ class Evaluator:
         # Versions the evaluation engines keep for pinned requests (EngineProfile); set by the
         # first evaluation's coroutine. 0 until known: a sync then waits for every evaluation.
         self.kept_versions = 0
-        # auto: pinned for single-turn prompts where the engines keep versions (`_pin`); an
-        # episode's turns come one after another, so a version could be dropped between two.
-        single = settings.env is None
-        self.pinned = logging.eval_sync == "pinned" or (logging.eval_sync == "auto" and single)
+        # auto and pinned: pinned where the engines keep versions (and, for episodes, lease
+        # them between turns: `_pin`)
+        self.pinned = logging.eval_sync != "wait"
         self.episodes: dict[str, EpisodeBuilder] = {}  # per mode; empty: single-turn prompts
         if settings.env is not None:
             builder = EpisodeBuilder(settings)
@@ -135,12 +137,23 @@ class Evaluator:
 
     def submit(self, step: int, version: int, source: WeightSource) -> bool:
         """Start evaluating `step`, whose weights (`version`) the engines hold now, if it is
-        due; heal dead engines (to `source`'s weights) first. Returns whether it started."""
+        due; heal dead engines (to `source`'s weights) first. Returns whether it started.
+        Pinned requests: the engines that lease versions are asked to hold `version` before
+        this returns (`_pin`), so the next sync, later on this thread, cannot replace it
+        before the evaluation's own requests arrive."""
         if not self.due(step) or not self.items:
             return False
         self.fleet.heal(source)
-        work = self._play(version) if self.episodes else self._generate(version)
-        future = asyncio.run_coroutine_threadsafe(work, self.fleet.runner.loop)
+        clients, loop = self.fleet.eval_clients(), self.fleet.runner.loop
+        pinning = asyncio.run_coroutine_threadsafe(self._pin(clients, version), loop)
+        try:
+            pin = pinning.result(self.s.rollout.request_timeout_s)
+        except (EngineError, concurrent.futures.TimeoutError) as e:
+            pinning.cancel()
+            self._skip(step, e)
+            return False
+        work = (self._play if self.episodes else self._generate)(clients, version, pin)
+        future = asyncio.run_coroutine_threadsafe(work, loop)
         self.in_flight.append(_InFlight(step, version, time.perf_counter(), future))
         return True
 
@@ -184,13 +197,16 @@ class Evaluator:
                 ValueError,
                 concurrent.futures.CancelledError,
             ) as e:
-                kind = "eval_off_version" if isinstance(e, EvalVersionError) else "eval_failures"
-                self.counters[kind] += 1
-                print(f"asyncrl: evaluation of step {ev.step} skipped: {type(e).__name__}: {e}")
+                self._skip(ev.step, e)
                 continue
             score = self._score_episodes if self.episodes else self._score
             out.append((ev.step, score(*outs, ev)))
         return sorted(out, key=lambda r: r[0])
+
+    def _skip(self, step: int, e: BaseException) -> None:
+        kind = "eval_off_version" if isinstance(e, EvalVersionError) else "eval_failures"
+        self.counters[kind] += 1
+        print(f"asyncrl: evaluation of step {step} skipped: {type(e).__name__}: {e}")
 
     def in_flight_steps(self) -> set[int]:
         """The steps whose evaluation has not been collected by `results` yet."""
@@ -201,11 +217,12 @@ class Evaluator:
         self._wait(0)
         return self.results()
 
-    async def _generate(self, version: int) -> tuple[list[list[int]], float]:
-        """The greedy output ids of every item, all generated by weight `version`, and when
-        the last one came back (`perf_counter`)."""
-        clients = self.fleet.eval_clients()  # logging.eval_engine: one, or all
-        pin = await self._pin(clients, version)
+    async def _generate(
+        self, clients: list[EngineClient], version: int, pin: int | None
+    ) -> tuple[list[list[int]], float]:
+        """The greedy output ids of every item, all generated by weight `version` on
+        `clients` (`logging.eval_engine`: one, or all), and when the last one came back
+        (`perf_counter`)."""
         params = sampling_params(self.s.generating, self.s.max_new_tokens, greedy=True)
         reqs = [{"input_ids": it.prompt_ids, "sampling_params": params} for it in self.items]
         size = math.ceil(len(reqs) / len(clients))  # one batched /generate per evaluation engine
@@ -224,11 +241,20 @@ class Evaluator:
     async def _pin(self, clients: list[EngineClient], version: int) -> int | None:
         """`version` when evaluation requests are pinned (`logging.eval_sync: pinned` or `auto`)
         and every evaluation engine keeps pinned versions (SGLang and an attached hf server
-        that keeps none do not: then the syncs wait, as `wait`), else None."""
+        that keeps none do not: then the syncs wait, as `wait`) and, for episodes, leases them
+        between turns; else None."""
         if not self.pinned:
             return None
-        self.kept_versions = min([(await c.profile()).pinned_versions for c in clients])
-        return version if self.kept_versions else None
+        profiles = [await c.profile() for c in clients]
+        kept = min(p.pinned_versions for p in profiles)
+        leased = min(p.pinned_linger_s for p in profiles) > 0
+        if self.episodes and not leased:
+            kept = 0  # a turn sent after its version was replaced would be refused
+        self.kept_versions = kept
+        if kept and leased:  # a request of no tokens starts `version`'s lease on each
+            lease = (c.generate_one(LEASE, priority=self.priority, pin=version) for c in clients)
+            await asyncio.gather(*lease)
+        return version if kept else None
 
     def _score(self, outs: list[list[int]], finished: float, ev: _InFlight) -> dict[str, float]:
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outs]
@@ -243,10 +269,12 @@ class Evaluator:
             "eval/version": float(ev.version),
         }
 
-    async def _play(self, version: int) -> tuple[dict[str, list[Episode]], float]:
-        """Every held-out seed's episode in each mode, all generated by weight `version`, and
-        when the last one ended (`perf_counter`)."""
-        clients = self.fleet.eval_clients()  # logging.eval_engine: one, or all
+    async def _play(
+        self, clients: list[EngineClient], version: int, pin: int | None
+    ) -> tuple[dict[str, list[Episode]], float]:
+        """Every held-out seed's episode in each mode, all generated by weight `version` on
+        `clients`, and when the last one ended (`perf_counter`)."""
+        builders = {m: b.for_eval(b.greedy, b.priority, pin) for m, b in self.episodes.items()}
 
         def play(builder: EpisodeBuilder, i: int, item: PromptItem) -> Coroutine[Any, Any, Episode]:
             seed = int(item.metadata["env_seed"])
@@ -256,7 +284,7 @@ class Evaluator:
             async with asyncio.TaskGroup() as tg:  # the first error cancels the others
                 tasks = {
                     mode: [tg.create_task(play(b, i, it)) for i, it in enumerate(self.items)]
-                    for mode, b in self.episodes.items()  # unpinned: the syncs wait
+                    for mode, b in builders.items()
                 }
         except ExceptionGroup as eg:  # the cause, not "unhandled errors in a TaskGroup"
             raise eg.exceptions[0] from None

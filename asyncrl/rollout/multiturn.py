@@ -173,20 +173,24 @@ class EpisodeBuilder:
         # the same episodes through `for_eval` copies (rollout/evaluation.py).
         self.greedy: bool = False
         self.priority: int | None = None
+        self.pin: int | None = None
 
-    def for_eval(self, greedy: bool, priority: int | None) -> EpisodeBuilder:
+    def for_eval(
+        self, greedy: bool, priority: int | None, pin: int | None = None
+    ) -> EpisodeBuilder:
         """This builder (its tokenizer and template shared) generating greedily (temperature
-        0) or at the run's sampling settings, every request at SGLang `priority`. Not pinned to
-        a weight version: an episode's turns come one after another, and an engine keeps a
-        version only while requests pinned to it are queued or running (the sync waits)."""
+        0) or at the run's sampling settings, every request at SGLang `priority` and pinned to
+        weight version `pin` (`EngineClient.generate`): only for engines that lease a pinned
+        version between an episode's turns (`EngineProfile.pinned_linger_s`)."""
         other = copy.copy(self)
-        other.greedy, other.priority = greedy, priority
+        other.greedy, other.priority, other.pin = greedy, priority, pin
         return other
 
     @property
     def _request_keys(self) -> dict[str, int]:
-        """`generate_one`'s priority keyword; training sends none."""
-        return {} if self.priority is None else {"priority": self.priority}
+        """`generate_one`'s priority and pin keywords; training sends none."""
+        out = {} if self.priority is None else {"priority": self.priority}
+        return out if self.pin is None else {**out, "pin": self.pin}
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
         """n episodes of the env seed `item.metadata["env_seed"]`, scored, with advantages."""

@@ -30,8 +30,9 @@ of one step's weights): only the weights of that version serve them, so a weight
 not wait for them. Before the live weights change (a pause, a load, a new version), the
 requests pinned to the live version move, KV and all, to a kept lane: a copy of the model as
 it was (`keep_pinned`), which no update or pause touches and which each step decodes beside
-the live lane, until its last request ends. At most `max_pinned_versions` are kept (the
-oldest's requests fail past it). A pin the engine cannot serve (another version, or the live
+the live lane, until its last request ends, or, with a lease (`pinned_linger_s`, lanes.py),
+until none has used it for that long. At most `max_pinned_versions` are kept (past it the
+oldest idle one goes, else the oldest, whose requests fail). A pin the engine cannot serve (another version, or the live
 one while it is being replaced) is refused (400) or, if that happened while it queued, failed.
 
 No request takes the scheduler down: a step that raises fails the requests it was serving
@@ -46,7 +47,9 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -64,7 +67,9 @@ class EngineDeadError(RuntimeError):
 
 class HFEngine:
     """`max_pinned_versions`: weight versions besides the live one kept for pinned requests
-    (module docstring, "Pinned requests"); 0: a pinned request fails when its version goes."""
+    (module docstring, "Pinned requests"); 0: a pinned request fails when its version goes.
+    `pinned_linger_s`: each version's lease, from its last pinned request (0: none); `clock`
+    times it."""
 
     def __init__(
         self,
@@ -73,12 +78,16 @@ class HFEngine:
         max_batch_size: int = 32,
         seed: int = 0,
         max_pinned_versions: int = 1,
+        pinned_linger_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_pinned_versions < 0:
             raise ValueError(f"max_pinned_versions must be >= 0, got {max_pinned_versions}")
-        self._lanes = Lanes(model.eval(), max_pinned_versions)
+        if not pinned_linger_s >= 0:
+            raise ValueError(f"pinned_linger_s must be >= 0, got {pinned_linger_s}")
+        self._lanes = Lanes(model.eval(), max_pinned_versions, pinned_linger_s, clock)
         self.device = self._lanes.live.device
         self.max_batch_size = max_batch_size
         cfg = model.config
@@ -105,6 +114,10 @@ class HFEngine:
     @property
     def max_pinned_versions(self) -> int:
         return self._lanes.max_kept
+
+    @property
+    def pinned_linger_s(self) -> float:
+        return self._lanes.linger_s
 
     @property
     def weight_version(self) -> str:
@@ -162,15 +175,19 @@ class HFEngine:
     def submit(self, *seqs: Seq) -> None:
         """Queue requests, all or none (each is checked first); each is answered through
         `seq.on_done` on the scheduler thread. Queued together, they wake the scheduler once:
-        one HTTP request's samples are admitted in the same step (one prefill)."""
-        for seq in seqs:
-            self.check(seq)
+        one HTTP request's samples are admitted in the same step (one prefill). Checked under
+        `_cond`: a pin is checked against the lanes `keep_pinned` leaves, not half-way through
+        its copy of a version (it holds `_cond` throughout)."""
         with self._cond:
+            for seq in seqs:
+                self.check(seq)
             for seq in seqs:
                 if seq.params.temperature > 0:
                     seed = seq.params.sampling_seed
                     seed = self._seed_rng.getrandbits(63) if seed is None else seed
                     seq.generator = random.Random(seed)
+                if seq.pin is not None:
+                    self._lanes.touch(seq.pin)
                 if seq.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                 else:
@@ -218,14 +235,15 @@ class HFEngine:
                 return
             pinned = lambda s: s.pin == live.version  # noqa: E731
             rows = [i for i, s in enumerate(live.running) if pinned(s)]
-            if not rows and not any(pinned(s) for s in self._waiting):
+            wanted = rows or any(pinned(s) for s in self._waiting)
+            if not wanted and not lanes.leased(live.version):
                 return
             if lanes.max_kept == 0:
                 why = f"weight version {live.version} replaced (this engine keeps none)"
                 self._abort_where(pinned, why, error=True)
                 return
             while len(lanes.kept) >= lanes.max_kept:
-                gone = next(iter(lanes.kept))  # the oldest
+                gone = lanes.evictee(list(self._waiting))
                 why = f"weight version {gone} dropped: {lanes.max_kept} kept at most"
                 self._abort_where(lambda s, v=gone: s.pin == v, why, error=True)
                 del lanes.kept[gone]
@@ -405,6 +423,8 @@ class HFEngine:
     def _finish(self, seq: Seq, reason: dict) -> None:
         seq.finish = reason
         seq.weight_version = self.weight_version if seq.pin is None else seq.pin
+        if seq.pin is not None:
+            self._lanes.touch(seq.pin)
         try:
             seq.on_done(seq)
         except Exception:  # a broken callback must not kill the scheduler

@@ -4,6 +4,11 @@ A lane is one set of weights and the running rows it serves. The engine has one 
 weights that weight updates change) and, while requests pinned to an older weight version are
 unfinished, a kept lane per such version: a copy of the model as it was, which no update
 touches. Each lane runs its own forward passes: rows of two versions never share a batch.
+
+A version's lease (`linger_s` > 0): a version that a pinned request used (arrived at or
+ended on) less than `linger_s` ago is kept as if a request still ran on it, so the next turn
+of a multi-turn episode, pinned to it and sent only once the previous turn came back, is
+still served after a weight update replaced it. Each pinned request renews the lease.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import contextlib
 import copy
 import inspect
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -132,11 +138,33 @@ class Lanes:
     """The live lane and the kept ones (at most `max_kept`, oldest first), and which serves a
     request. Caller holds the engine's `_cond`."""
 
-    def __init__(self, model: torch.nn.Module, max_kept: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_kept: int,
+        linger_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.live = Lane(model, "default")
         self.kept: dict[str, Lane] = {}  # version -> a copy serving the requests pinned to it
         self.max_kept = max_kept
         self.pinnable = True  # the live weights are still those of `live.version`
+        self.linger_s, self._clock = linger_s, clock
+        # version -> when a pinned request last arrived at or ended on it (leases only)
+        self._used: dict[str, float] = {}
+
+    def touch(self, version: str) -> None:
+        """A request pinned to `version` arrived or ended: its lease runs `linger_s` from now."""
+        if self.linger_s > 0:
+            self._used[version] = self._clock()
+
+    def leased(self, version: str) -> bool:
+        used = self._used.get(version)
+        return used is not None and self._clock() - used < self.linger_s
+
+    def unused(self, version: str, waiting: list[Seq]) -> bool:
+        """A kept version with no running row and no waiting request (a lease at most)."""
+        return self.kept[version].batch is None and all(s.pin != version for s in waiting)
 
     def all(self) -> list[Lane]:
         return [self.live, *self.kept.values()]
@@ -166,11 +194,18 @@ class Lanes:
             lane.batch, live.batch = live.batch.select(rows), live.batch.select(others)
 
     def drop_idle(self, waiting: list[Seq]) -> None:
-        """Drop the kept lanes that run nothing and that no waiting request is pinned to."""
-        pins = {s.pin for s in waiting}
-        for version in [v for v, lane in self.kept.items() if lane.batch is None]:
-            if version not in pins:
-                del self.kept[version]
+        """Drop the kept lanes that run nothing, that no waiting request is pinned to and
+        whose lease ran out; forget the leases of versions served no more."""
+        for version in [v for v in self.kept if self.unused(v, waiting) and not self.leased(v)]:
+            del self.kept[version]
+        served = {self.live.version, *self.kept}
+        for version in [v for v in self._used if v not in served]:
+            del self._used[version]
+
+    def evictee(self, waiting: list[Seq]) -> str:
+        """The kept version to drop for room: the oldest that only a lease keeps (no request
+        of it fails), else the oldest."""
+        return next((v for v in self.kept if self.unused(v, waiting)), next(iter(self.kept)))
 
 
 def eos_ids(model: torch.nn.Module) -> frozenset[int]:

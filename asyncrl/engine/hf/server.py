@@ -2,7 +2,7 @@
 
     ASYNCRL_API_KEY=K python -m asyncrl.engine.hf.server --model-path P --port N \
         [--dtype fp32|bf16] [--host 127.0.0.1] [--max-batch-size B] [--seed S] [--device cpu]
-        [--max-pinned-versions K]
+        [--max-pinned-versions K] [--pinned-version-linger-s S]
 
 Same request/response shapes as SGLang, so `asyncrl.engine.client.EngineClient` drives this
 server and a real SGLang server with identical code. Token-in/token-out only: `text` is always
@@ -214,7 +214,9 @@ async def server_info(request: web.Request) -> web.Response:
     import torch
 
     info = {"version": HF_SERVER_VERSION, "tp_size": 1, "dp_size": 1, "pp_size": 1}
-    info["max_pinned_versions"] = request.app[ENGINE].max_pinned_versions  # asyncrl's own
+    engine = request.app[ENGINE]  # asyncrl's own: pinned versions kept, their lease
+    info["max_pinned_versions"] = engine.max_pinned_versions
+    info["pinned_version_linger_s"] = engine.pinned_linger_s
     info |= {"num_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
     return web.json_response(info)
 
@@ -328,6 +330,7 @@ def load_engine(args: argparse.Namespace) -> HFEngine:
         max_batch_size=args.max_batch_size,
         seed=args.seed,
         max_pinned_versions=args.max_pinned_versions,
+        pinned_linger_s=args.pinned_version_linger_s,
     )
     engine.weight_version = args.weight_version
     return engine
@@ -353,6 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # for it (the default run: the learner's idle at its worst step phase 4.9 -> 1.0 points
     # above the median, `asyncrl bench eval-idle`); each kept version is a copy of the weights
     p.add_argument("--max-pinned-versions", type=int, default=2, help="see engine.py")
+    # A pinned version's lease: an episode's next turn is sent only once its previous turn
+    # came back (an env step in between), so its version must outlive the gap (lanes.py)
+    p.add_argument("--pinned-version-linger-s", type=float, default=5.0, help="see lanes.py")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--cpus", type=_cpu_list, default=(), help="pin to these cores: 1,2")
