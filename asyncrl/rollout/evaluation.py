@@ -33,14 +33,19 @@ dropped and counted (`eval_off_version`), never logged against a step whose weig
 not measure. An engine error drops the evaluation
 too (`eval_failures`); the dead engine is healed by the loop; the run goes on.
 
-Episodes (`settings.env` set; pinned as above only where every evaluation engine also leases a
-pinned version between requests, `EngineProfile.pinned_linger_s` > 0, asyncrl's hf server:
-an episode's next turn is sent only once its previous one came back, so its version must
-outlive the gap; elsewhere the syncs wait for them): the items are held-out env seeds (`heldout_seed_items`, disjoint
-from the training seeds: `data/env_prompts.py`), each played once greedily (temperature 0) and
-once sampled (the run's sampling settings, per-request seeds derived from the item's key, so
-every evaluation draws the same noise), by the training episodes' own code
-(`EpisodeBuilder.run_episode` through a `for_eval` copy that adds greedy and the priority).
+Where the engines also lease a pinned version between requests (`EngineProfile.
+pinned_linger_s` > 0, asyncrl's hf server), `submit` starts the lease with a pinned request of
+no tokens before it returns, so the next sync, later on the loop's thread, cannot replace the
+version before the evaluation's own requests arrive.
+
+Episodes (`settings.env` set; pinned as above only where every evaluation engine leases: an
+episode's next turn is sent only once its previous one came back, so its version must outlive
+the gap; elsewhere the syncs wait for them): the items are held-out env seeds
+(`heldout_seed_items`, disjoint from the training seeds: `data/env_prompts.py`), each played
+once greedily (temperature 0) and once sampled (the run's sampling settings, per-request seeds
+derived from the item's key, so every evaluation draws the same noise), by the training
+episodes' own code (`EpisodeBuilder.run_episode` through a `for_eval` copy that adds greedy,
+the priority and the pin).
 Reported per mode as `eval/greedy/*` and `eval/sampled/*` (`metrics/keys.py`): success rate
 (the env's `info["solved"]`, `envs/base.py`), mean return (`env.return_mode`), invalid-action
 rate per turn, mean turns; an env error fails its episode (counted, left out of the rates), a
@@ -119,7 +124,7 @@ class Evaluator:
         self.counters: Counter[str] = Counter()
         self.in_flight: list[_InFlight] = []
         # Versions the evaluation engines keep for pinned requests (EngineProfile); set by the
-        # first evaluation's coroutine. 0 until known: a sync then waits for every evaluation.
+        # first evaluation's `_pin`. 0 until known: a sync then waits for every evaluation.
         self.kept_versions = 0
         # auto and pinned: pinned where the engines keep versions (and, for episodes, lease
         # them between turns: `_pin`)
@@ -148,8 +153,8 @@ class Evaluator:
         pinning = asyncio.run_coroutine_threadsafe(self._pin(clients, version), loop)
         try:
             pin = pinning.result(self.s.rollout.request_timeout_s)
-        except (EngineError, concurrent.futures.TimeoutError) as e:
-            pinning.cancel()
+        except (EngineError, ValueError, concurrent.futures.TimeoutError) as e:
+            pinning.cancel()  # (a lease refused, an engine down: this evaluation is skipped)
             self._skip(step, e)
             return False
         work = (self._play if self.episodes else self._generate)(clients, version, pin)

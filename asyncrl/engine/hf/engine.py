@@ -32,8 +32,9 @@ requests pinned to the live version move, KV and all, to a kept lane: a copy of 
 it was (`keep_pinned`), which no update or pause touches and which each step decodes beside
 the live lane, until its last request ends, or, with a lease (`pinned_linger_s`, lanes.py),
 until none has used it for that long. At most `max_pinned_versions` are kept (past it the
-oldest idle one goes, else the oldest, whose requests fail). A pin the engine cannot serve (another version, or the live
-one while it is being replaced) is refused (400) or, if that happened while it queued, failed.
+oldest that only a lease keeps goes, else the oldest, whose requests fail). A pin the engine
+cannot serve (another version, or the live one while it is being replaced) is refused (400)
+or, if that happened while it queued, failed.
 
 No request takes the scheduler down: a step that raises fails the requests it was serving
 (prefill: the ones it admitted; decode: the running batch) with the error, drops their KV, and
@@ -226,8 +227,9 @@ class HFEngine:
         """Before the live weights change: the requests pinned to the live version, running
         (with their KV) or waiting, go to a kept copy of the model that serves them to the end
         (dropped then); no new request is pinned to the live weights until a version is set.
-        Past `max_pinned_versions`, the oldest kept version's requests fail. Caller holds
-        `step_lock` (so no step is half done)."""
+        A version leased (lanes.py) is kept the same way, with no request. Past
+        `max_pinned_versions` a kept version goes (`Lanes.evictee`; its requests fail). Caller
+        holds `step_lock` (so no step is half done)."""
         with self._cond:
             lanes, live = self._lanes, self._lanes.live
             lanes.pinnable = False
