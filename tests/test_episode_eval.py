@@ -160,6 +160,18 @@ def test_episode_evaluation_is_pinned_only_where_the_engine_leases_versions(
     assert cfg.logging.eval_sync == "pinned"
 
 
+def test_pinned_asked_of_engines_that_cannot_lease_says_so_once_and_waits(
+    tiny_model, runner, capsys
+):
+    ev, sent = evaluator(tiny_model, runner, 3, info={"max_pinned_versions": 2}, eval_sync="pinned")
+    for step in (5, 10):
+        assert ev.submit(step, 3, source=None)
+        ev.drain()
+    assert ev.kept_versions == 0 and not any(PIN_KEY in body for body in sent)
+    said = [x for x in capsys.readouterr().out.splitlines() if "eval_sync: pinned" in x]
+    assert len(said) == 1 and "lease none between an episode's turns" in said[0]
+
+
 def test_heldout_seeds_are_fixed_and_disjoint_from_the_training_seeds():
     env = EnvConfig(name="guess_number", num_seeds=1000, seed_offset=7)
     train = {row["env_seed"] for row in seed_rows(env)}

@@ -129,6 +129,7 @@ class Evaluator:
         # auto and pinned: pinned where the engines keep versions (and, for episodes, lease
         # them between turns: `_pin`)
         self.pinned = logging.eval_sync != "wait"
+        self._unpinned_told = logging.eval_sync != "pinned"  # asked for: say once if it cannot
         self.episodes: dict[str, EpisodeBuilder] = {}  # per mode; empty: single-turn prompts
         if settings.env is not None:
             builder = EpisodeBuilder(settings)
@@ -256,6 +257,12 @@ class Evaluator:
         if self.episodes and not leased:
             kept = 0  # a turn sent after its version was replaced would be refused
         self.kept_versions = kept
+        if not kept and not self._unpinned_told:
+            self._unpinned_told = True
+            why = "lease none between an episode's turns" if self.episodes else "keep none"
+            print(f"asyncrl: logging.eval_sync: pinned: the evaluation engines {why} (the hf "
+                  f"server's --max-pinned-versions / --pinned-version-linger-s): each sync "
+                  f"waits for the evaluations in flight, as with wait")  # fmt: skip
         if kept and leased:  # a request of no tokens starts `version`'s lease on each
             lease = (c.generate_one(LEASE, priority=self.priority, pin=version) for c in clients)
             await asyncio.gather(*lease)
