@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": results,
     }
     stem = args.config.stem
-    name = "eval_idle" if args.config == DEFAULT_CONFIG else f"eval_idle_{stem}"
+    name = "eval_idle" if args.config.resolve() == DEFAULT_CONFIG else f"eval_idle_{stem}"
     return finish(name, result, args, lambda fig: _plot(results, stem, fig), argv, "eval-idle")
 
 

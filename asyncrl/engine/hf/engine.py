@@ -84,10 +84,6 @@ class HFEngine:
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_pinned_versions < 0:
-            raise ValueError(f"max_pinned_versions must be >= 0, got {max_pinned_versions}")
-        if not pinned_linger_s >= 0:
-            raise ValueError(f"pinned_linger_s must be >= 0, got {pinned_linger_s}")
         self._lanes = Lanes(model.eval(), max_pinned_versions, pinned_linger_s, clock)
         self.device = self._lanes.live.device
         self.max_batch_size = max_batch_size
@@ -161,6 +157,11 @@ class HFEngine:
     def check(self, seq: Seq) -> None:
         """Raise ValueError if the engine cannot serve `seq` (tokens, length, pinned version),
         EngineDeadError if the scheduler is not running."""
+        self._check_prompt(seq)
+        with self._cond:
+            self._check_pin(seq)
+
+    def _check_prompt(self, seq: Seq) -> None:
         if self.error is not None:
             raise EngineDeadError(f"engine scheduler died: {_describe(self.error)}")
         bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
@@ -170,25 +171,28 @@ class HFEngine:
             raise ValueError("input_ids is empty")
         if len(seq.prompt) >= self.max_context:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens >= context {self.max_context}")
+
+    def _check_pin(self, seq: Seq) -> None:
+        """Caller holds `_cond`: the lanes as `keep_pinned` leaves them, not half-way through
+        its copy of a version (it holds `_cond` throughout)."""
         if seq.pin is not None and self._lanes.route(seq) is None:
             raise ValueError(f"pin_weight_version {seq.pin} is not served: {self._lanes}")
 
     def submit(self, *seqs: Seq) -> None:
         """Queue requests, all or none (each is checked first); each is answered through
         `seq.on_done` on the scheduler thread. Queued together, they wake the scheduler once:
-        one HTTP request's samples are admitted in the same step (one prefill). Checked under
-        `_cond`: a pin is checked against the lanes `keep_pinned` leaves, not half-way through
-        its copy of a version (it holds `_cond` throughout)."""
+        one HTTP request's samples are admitted in the same step (one prefill)."""
+        for seq in seqs:  # outside the lock: a scan of every prompt token
+            self._check_prompt(seq)
         with self._cond:
             for seq in seqs:
-                self.check(seq)
+                self._check_pin(seq)
             for seq in seqs:
                 if seq.params.temperature > 0:
                     seed = seq.params.sampling_seed
                     seed = self._seed_rng.getrandbits(63) if seed is None else seed
                     seq.generator = random.Random(seed)
-                if seq.pin is not None:
-                    self._lanes.touch(seq.pin)
+                self._lanes.touch(seq.pin)
                 if seq.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                 else:
@@ -425,8 +429,7 @@ class HFEngine:
     def _finish(self, seq: Seq, reason: dict) -> None:
         seq.finish = reason
         seq.weight_version = self.weight_version if seq.pin is None else seq.pin
-        if seq.pin is not None:
-            self._lanes.touch(seq.pin)
+        self._lanes.touch(seq.pin)
         try:
             seq.on_done(seq)
         except Exception:  # a broken callback must not kill the scheduler

@@ -145,6 +145,10 @@ class Lanes:
         linger_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if max_kept < 0:
+            raise ValueError(f"max_pinned_versions must be >= 0, got {max_kept}")
+        if not linger_s >= 0:
+            raise ValueError(f"pinned_linger_s must be >= 0, got {linger_s}")
         self.live = Lane(model, "default")
         self.kept: dict[str, Lane] = {}  # version -> a copy serving the requests pinned to it
         self.max_kept = max_kept
@@ -153,9 +157,10 @@ class Lanes:
         # version -> when a pinned request last arrived at or ended on it (leases only)
         self._used: dict[str, float] = {}
 
-    def touch(self, version: str) -> None:
-        """A request pinned to `version` arrived or ended: its lease runs `linger_s` from now."""
-        if self.linger_s > 0:
+    def touch(self, version: str | None) -> None:
+        """A request pinned to `version` arrived or ended: its lease runs `linger_s` from now
+        (None: an unpinned request, nothing to lease)."""
+        if version is not None and self.linger_s > 0:
             self._used[version] = self._clock()
 
     def leased(self, version: str) -> bool:
