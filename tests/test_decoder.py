@@ -85,9 +85,9 @@ def test_lean_forward_equals_transformers_on_prefill_and_decode(arch, dtype):
 def test_repeated_kv_heads_path_equals_transformers(monkeypatch):
     """Where SDPA's own GQA is not used (torch 2.4, CUDA with a mask), K/V heads are repeated
     for the query heads: the same logits."""
-    from asyncrl.engine.hf import decoder
+    from asyncrl import llama
 
-    monkeypatch.setattr(decoder, "_NATIVE_GQA", False)
+    monkeypatch.setattr(llama, "_NATIVE_GQA", False)
     lean, reference = _lanes(random_qwen2(init_std=0.2))  # GQA: 4 query heads, 2 K/V heads
     for a, b in zip(_run(lean)[0], _run(reference)[0], strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

@@ -11,11 +11,16 @@ every function here runs the same number of forwards on every rank (FSDP2's are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from asyncrl.algo.kl import entropy_from_logits
 from asyncrl.config.schema import ActorConfig
 from asyncrl.learner import packing
+
+#: (model, the padded batch's tensors) -> the logits [B, R, V] that predict its response tokens.
+LogitsFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 
 def response_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -37,14 +42,15 @@ def token_logprobs(
     temperature: float,
     with_entropy: bool = False,
     packed: bool = False,
-    shared: bool = False,
+    logits_fn: LogitsFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(token | prefix) for every response token ([B, R]) and optionally the entropy;
-    `packed`: from one packed forward of the real tokens (`packed_token_logprobs`); `shared`:
-    each group's prompt run once (`shared_prompt_logits`)."""
+    `packed`: from one packed forward of the real tokens (`packed_token_logprobs`); else the
+    response logits from `logits_fn` (default `response_logits`; `shared_prompt_logits` or the
+    lean `learner.lean` one run each group's prompt once)."""
     if packed:
         return packed_token_logprobs(model, tensors, temperature, with_entropy)
-    logits = (shared_prompt_logits if shared else response_logits)(model, tensors)
+    logits = (logits_fn or response_logits)(model, tensors)
     if temperature > 0:
         logits = logits / temperature
     targets = tensors["input_ids"][:, -logits.shape[1] :]
@@ -61,11 +67,7 @@ def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     the cache (HF's checkpointed layers drop it: activation checkpointing off)."""
     resp_len = tensors["response_mask"].shape[1]
     prompt_len = tensors["input_ids"].shape[1] - resp_len
-    groups = tensors["group_index"]
-    first = torch.ones_like(groups, dtype=torch.bool)
-    first[1:] = groups[1:] != groups[:-1]
-    owner = torch.cumsum(first.long(), 0) - 1  # row -> its group's prompt row
-    heads = first.nonzero().squeeze(-1)
+    heads, owner = prompt_owners(tensors["group_index"])
     cols = slice(0, prompt_len)
     out = model(
         input_ids=tensors["input_ids"][heads, cols],
@@ -85,6 +87,14 @@ def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     # The prompt's last logit predicts response token 0; response token j predicts j + 1.
     logits = torch.cat([out.logits[owner, -1:], rest.logits[:, : resp_len - 1]], dim=1)
     return logits.float()
+
+
+def prompt_owners(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(heads, owner) of a batch whose rows of one group are consecutive (`collate`'s
+    `group_index`): the first row of each group, and each row's index into `heads`."""
+    first = torch.ones_like(groups, dtype=torch.bool)
+    first[1:] = groups[1:] != groups[:-1]
+    return first.nonzero().squeeze(-1), torch.cumsum(first.long(), 0) - 1
 
 
 def _score(

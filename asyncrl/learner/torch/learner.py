@@ -23,8 +23,8 @@ from asyncrl.algo.advantages import outcome_token_rewards
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner import lean, lora, packing
 from asyncrl.learner import logprobs as lp
-from asyncrl.learner import lora, packing
 from asyncrl.learner import objective as obj
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
@@ -85,6 +85,8 @@ class TorchLearner:
         if fsdp.sharded(world_size):
             fsdp.shard_learner(self.model, self.reference, train, device, policy.dtype)
         maybe_compile(self.model, actor.use_torch_compile)  # after sharding (FSDP2's order)
+        plain = world_size == 1 and not actor.use_torch_compile
+        self.logits_fn = lean.training_logits_fn(self.model, self.shared, plain)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -188,7 +190,8 @@ class TorchLearner:
         else they are recomputed in token-budget forwards (`budget_logprobs`; with
         use_dynamic_bsz packed ones, as the reference's: `lp.packed_logprobs`)."""
         alg, rollout, pack = self.algorithm, data["rollout_logprobs"], lp.pack_budget(self.actor)
-        self.model.eval()
+        if not reuse or self.reference is not None:  # forwards below (a LoRA reference: this one)
+            self.model.eval()
         old, weights, mask, metrics = None, None, data["response_mask"], {}
         if not reuse:
             recomputed = None
@@ -236,7 +239,8 @@ class TorchLearner:
         gen = torch.Generator().manual_seed(self.version)
         sums: dict[str, float] = {}
         updates = 0
-        self.model.train()
+        if not self.model.training:  # only `_prepare` leaves it: each call walks every module
+            self.model.train()
         for _ in range(self.actor.ppo_epochs):
             order = torch.arange(total_rows)
             if self.actor.shuffle:
@@ -308,7 +312,7 @@ class TorchLearner:
         micro = lp.select_rows(data, idx)
         mask = prep["mask"][idx]
         logp, entropy = lp.token_logprobs(
-            self.train_model, micro, self.temperature, True, actor.use_dynamic_bsz, self.shared
+            self.train_model, micro, self.temperature, True, actor.use_dynamic_bsz, self.logits_fn
         )
         if actor.entropy_coeff == 0 and entropy is not None:
             # Only the metric needs it: detached, its graph (a [B, R, V] softmax) is freed now.

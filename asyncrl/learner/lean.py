@@ -1,0 +1,89 @@
+"""The learner's lean training forward: `logprobs.shared_prompt_logits` (each group's prompt run
+once, its rows' responses against the prompt's keys and values) computed with `asyncrl.llama`'s
+arithmetic on the policy's own parameters instead of transformers' forward.
+
+Why: the embedded default trains on ~11-token rows (a 7-token prompt, ~4 response tokens), where
+a learner step is per-op overhead, not matmuls: transformers' two forwards build 4-D masks,
+rotary tables, cache objects and output dataclasses, and project every prompt position through
+the LM head although only the last predicts a response token. Measured on one core (8 x 8 rows,
+fwd + bwd of the training forward): 27 -> 22.5 ms. The values are transformers' (the same
+arithmetic; `tests/test_lean_learner.py` holds logits and gradients to them), so nothing about
+training changes but its cost.
+
+Taken where `asyncrl.llama` reproduces the model (`unsupported`) and the training forward is
+deterministic (no dropout: transformers applies attention dropout inline, this does not), on
+one process (FSDP2 gathers parameters in the layers' hooks; `unsupported` refuses hooks
+anyway) and without `actor.use_torch_compile` (a compiled forward was asked for); else
+`shared_prompt_logits` runs, and one info line says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+
+from asyncrl import llama
+from asyncrl.learner.logprobs import LogitsFn, has_dropout, prompt_owners, shared_prompt_logits
+
+log = logging.getLogger(__name__)
+
+
+def training_logits_fn(model: torch.nn.Module, shared: bool, plain: bool) -> LogitsFn | None:
+    """The training forward's logits: rows run whole (None) unless `shared`; then the lean
+    forward where `plain` (one process, not compiled) and taken, else `shared_prompt_logits`."""
+    if not shared:
+        return None
+    return (lean_shared_logits_for(model) if plain else None) or shared_prompt_logits
+
+
+def lean_shared_logits_for(model: torch.nn.Module) -> LogitsFn | None:
+    """A `LogitsFn` equal to `shared_prompt_logits` on `model`, or None where it is not taken."""
+    why = llama.unsupported(model) or ("dropout" if has_dropout(model) else None)
+    if why is not None:
+        log.info("learner: transformers' training forward for this model (%s)", why)
+        return None
+    return partial(_shared_prompt_logits, llama.Llama(model))
+
+
+def _shared_prompt_logits(
+    ops: llama.Llama, model: torch.nn.Module, tensors: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """[B, R, V] logits predicting each response token (`model` is `ops.model`). The prompt
+    pass runs one row per group and keeps each layer's (k, v); the response pass gathers them
+    out to the group's rows and attends to them, causally over the row's own tokens."""
+    resp_len = tensors["response_mask"].shape[1]
+    prompt_len = tensors["input_ids"].shape[1] - resp_len
+    ids, mask, pos = tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]
+    heads, owner = prompt_owners(tensors["group_index"])
+    h = ops.embed(ids[heads, :prompt_len])
+    cos, sin = ops.rotary(pos[heads, :prompt_len], h.dtype)
+    allowed = llama.prefill_mask(mask[heads, :prompt_len])
+    prompt_kv = []
+    for layer in ops.decoder_layers():
+        qkv = ops.qkv(layer, h, cos, sin)
+        prompt_kv.append(qkv[1:])
+        h = ops.finish_layer(layer, h, qkv, allowed)
+    # The prompt's last position (never padding: prompts are left-padded) predicts token 0.
+    first = ops.logits(h[:, -1])[owner]
+    h = ops.embed(ids[:, prompt_len:])
+    cos, sin = ops.rotary(pos[:, prompt_len:], h.dtype)
+    allowed = _response_mask(mask, prompt_len)
+    for layer, (k_p, v_p) in zip(ops.decoder_layers(), prompt_kv, strict=True):
+        q, k, v = ops.qkv(layer, h, cos, sin)
+        k, v = torch.cat([k_p[owner], k], dim=2), torch.cat([v_p[owner], v], dim=2)
+        h = ops.finish_layer(layer, h, (q, k, v), allowed)
+    # Response token j predicts token j + 1: the last response position predicts nothing.
+    rest = ops.logits(h[:, : resp_len - 1])
+    return torch.cat([first[:, None], rest], dim=1).float()
+
+
+def _response_mask(mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[B, 1, R, P + R] booleans: response query j sees the row's non-padding keys up to its
+    own column P + j. No query is left without a key (every row has a prompt token), so a
+    padding query's unused outputs stay finite; responses are right-padded, so every key a
+    real query sees is real."""
+    total = mask.shape[1]
+    causal = torch.ones(total - prompt_len, total, dtype=torch.bool, device=mask.device)
+    return mask[:, None, None, :].bool() & causal.tril(prompt_len)
