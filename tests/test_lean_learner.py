@@ -63,14 +63,14 @@ def test_the_learner_takes_the_lean_forward_only_where_it_may(tiny_model):
     assert _learner(tiny_model).logits_fn.func is lean._shared_prompt_logits
     assert _learner(tiny_model, "actor.share_prompt_forward=false").logits_fn is None
     # refused models and settings keep transformers' forward
-    compiled = lean.training_logits_fn(_model("qwen2"), shared=True, plain=False)
-    assert compiled is lp.shared_prompt_logits
+    compiled = _learner(tiny_model, "actor.use_torch_compile=true")
+    assert compiled.logits_fn is lp.shared_prompt_logits
     dropout = _model("qwen2")
     dropout.config.attention_dropout = 0.1  # transformers applies it inline: not reproduced
     assert lean.lean_shared_logits_for(dropout) is None
     hooked = _model("llama")
     hooked.model.layers[0].register_forward_pre_hook(lambda *a: None)  # FSDP2 gathers in hooks
-    assert lean.training_logits_fn(hooked, shared=True, plain=True) is lp.shared_prompt_logits
+    assert lean.lean_shared_logits_for(hooked) is None
 
 
 def test_a_lean_learner_step_equals_transformers_step(tiny_model):

@@ -75,7 +75,7 @@ def _learner(tiny_model, *overrides: str) -> TorchLearner:
 def test_a_learner_step_with_shared_prompts_equals_the_whole_rows_step(tiny_model):
     shared = _learner(tiny_model)
     whole = _learner(tiny_model, "actor.share_prompt_forward=false")
-    assert shared.shared and not whole.shared
+    assert shared.logits_fn is not None and whole.logits_fn is None
     for seed in (0, 1):  # two steps: the second on the weights the first produced
         a, b = shared.step(_groups(seed)), whole.step(_groups(seed))
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
@@ -89,7 +89,7 @@ def test_shared_prompts_apply_only_where_layers_keep_the_cache(tiny_model):
         tiny_model, "actor_train.model_args.disable_gradient_checkpointing=false"
     )
     packed = _learner(tiny_model, "actor.use_dynamic_bsz=true")
-    assert not checkpointed.shared and not packed.shared
+    assert checkpointed.logits_fn is None and packed.logits_fn is None
 
 
 def test_checkpointing_auto_is_off_only_for_the_embedded_actor():

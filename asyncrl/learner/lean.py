@@ -25,16 +25,23 @@ from functools import partial
 import torch
 
 from asyncrl import llama
+from asyncrl.config.schema import ActorConfig, WorkerConfig
 from asyncrl.learner.logprobs import LogitsFn, has_dropout, prompt_owners, shared_prompt_logits
 
 log = logging.getLogger(__name__)
 
 
-def training_logits_fn(model: torch.nn.Module, shared: bool, plain: bool) -> LogitsFn | None:
-    """The training forward's logits: rows run whole (None) unless `shared`; then the lean
-    forward where `plain` (one process, not compiled) and taken, else `shared_prompt_logits`."""
-    if not shared:
+def training_logits_fn(
+    model: torch.nn.Module, train: WorkerConfig, actor: ActorConfig, world_size: int
+) -> LogitsFn | None:
+    """The padded training forward's logits: every row whole (None), or each group's prompt
+    once (`actor.share_prompt_forward`) where the layers keep the KV cache (not packed, not
+    checkpointed: checkpointed layers drop it); that in the lean forward where it is taken on
+    one process without `actor.use_torch_compile`, else `shared_prompt_logits`."""
+    shared = actor.share_prompt_forward and not actor.use_dynamic_bsz
+    if not shared or train.model_args.actor_checkpointing():
         return None
+    plain = world_size == 1 and not actor.use_torch_compile  # no FSDP gathers, nothing compiled
     return (lean_shared_logits_for(model) if plain else None) or shared_prompt_logits
 
 

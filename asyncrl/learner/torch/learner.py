@@ -70,10 +70,6 @@ class TorchLearner:
         self.rank, self.world_size = rank, world_size
         policy = load_policy(model_path, train.model_args, device, world_size)
         self.model, self.sync_dtype, self.lora = policy.model, policy.sync_dtype, policy.lora
-        # Each group's prompt once per micro-batch (`lp.shared_prompt_logits`): the padded path
-        # with layers that keep the KV cache (checkpointed ones drop it).
-        self.shared = actor.share_prompt_forward and not actor.use_dynamic_bsz
-        self.shared &= not train.model_args.actor_checkpointing()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.reference = load_reference(self.reference_spec, policy, device) if uses_ref else None
@@ -85,8 +81,9 @@ class TorchLearner:
         if fsdp.sharded(world_size):
             fsdp.shard_learner(self.model, self.reference, train, device, policy.dtype)
         maybe_compile(self.model, actor.use_torch_compile)  # after sharding (FSDP2's order)
-        plain = world_size == 1 and not actor.use_torch_compile
-        self.logits_fn = lean.training_logits_fn(self.model, self.shared, plain)
+        # Each group's prompt once per micro-batch where it may be, in the lean forward where
+        # that is taken (`learner/lean.py`); None: every row whole.
+        self.logits_fn = lean.training_logits_fn(self.model, train, actor, world_size)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
