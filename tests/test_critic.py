@@ -78,6 +78,21 @@ def test_value_loss_is_verls_clipped_loss():
     assert float(seq) == pytest.approx(0.5 * (2.25 + 1.44))
 
 
+def test_a_prediction_inside_the_clip_range_is_never_counted_as_clipped():
+    """Inside the range the clipped prediction is the prediction itself, bit for bit: computed
+    as `values + clamp(vpreds - values)` it is off by an ulp for about a quarter of the pairs
+    that straddle zero (the two-rank critic test's one flipped token), and the clip fraction
+    counted rounding. verl clamps the prediction itself."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.rand(1, 4000, generator=g) * 0.1 - 0.05  # float32, as the critic's values
+    vpreds = torch.rand(1, 4000, generator=g) * 0.1  # every |vpreds - values| < 0.15
+    returns = torch.randn(1, 4000, generator=g)
+    assert bool(((values + (vpreds - values)) != vpreds).any())  # the rounding is there
+    loss, clipfrac = value_loss(vpreds, returns, values, torch.ones(1, 4000), cliprange_value=0.5)
+    assert float(clipfrac) == 0.0
+    assert float(loss) == pytest.approx(0.5 * float((vpreds - returns).square().mean()))
+
+
 def test_value_loss_of_micro_batches_sums_to_the_mini_batch_loss():
     g = torch.Generator().manual_seed(0)
     vpreds, values, returns = (torch.randn(4, 5, generator=g, dtype=D) for _ in range(3))

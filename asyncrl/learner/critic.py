@@ -113,7 +113,10 @@ def value_loss(
     """verl's `compute_value_loss`: (0.5 · agg of the clipped squared error, the fraction of
     valid tokens where the clipped error is the larger). `num_tokens`/`num_seqs` are the
     mini-batch's, so micro-batch losses sum to the mini-batch loss (`agg_loss`)."""
-    clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    # The prediction itself clamped (verl's `clip_by_value`): inside the range it is `vpreds`
+    # bit for bit, so the clip fraction counts clipping only (`values + clamp(vpreds - values)`
+    # is an ulp off for many pairs that straddle zero, and counted that rounding).
+    clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     err, err_clipped = (vpreds - returns).square(), (clipped - returns).square()
     loss = 0.5 * agg_loss(torch.maximum(err, err_clipped), mask, loss_agg_mode,
                           num_tokens=num_tokens, num_seqs=num_seqs)  # fmt: skip
