@@ -22,10 +22,14 @@ sums (or, in training, their gradients) into NaN (0 x NaN is NaN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+#: (layer index, the new positions' keys, values) -> the keys and values they attend to.
+Join = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 _TYPES = ("qwen2", "llama")
 #: SDPA takes `enable_gqa` (torch >= 2.5; the project allows 2.4).
@@ -92,8 +96,26 @@ class Llama:
         device = next(model.parameters()).device
         self.native_gqa = self.group > 1 and _NATIVE_GQA and device.type == "cpu"
 
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers[: self.layers]
+    def blocks(
+        self,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        allowed: torch.Tensor,
+        join: Join | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The residual stream after every decoder layer, from the embeddings `h` at positions
+        `pos` under the boolean mask `allowed`, and each layer's (keys, values): the new
+        positions' own, or what `join(layer index, k, v)` makes of them (earlier keys and
+        values put before them: a cache)."""
+        cos, sin = self.rotary(pos, h.dtype)
+        kv = []
+        for i, layer in enumerate(self.model.model.layers[: self.layers]):
+            q, k, v = self.qkv(layer, h, cos, sin)
+            if join is not None:
+                k, v = join(i, k, v)
+            h = self.finish_layer(layer, h, (q, k, v), allowed)
+            kv.append((k, v))
+        return h, kv
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.model.model.embed_tokens.weight)

@@ -64,23 +64,21 @@ def _shared_prompt_logits(
     prompt_len = tensors["input_ids"].shape[1] - resp_len
     ids, mask, pos = tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]
     heads, owner = prompt_owners(tensors["group_index"])
-    h = ops.embed(ids[heads, :prompt_len])
-    cos, sin = ops.rotary(pos[heads, :prompt_len], h.dtype)
-    allowed = llama.prefill_mask(mask[heads, :prompt_len])
-    prompt_kv = []
-    for layer in ops.decoder_layers():
-        qkv = ops.qkv(layer, h, cos, sin)
-        prompt_kv.append(qkv[1:])
-        h = ops.finish_layer(layer, h, qkv, allowed)
+    h, prompt_kv = ops.blocks(
+        ops.embed(ids[heads, :prompt_len]),
+        pos[heads, :prompt_len],
+        llama.prefill_mask(mask[heads, :prompt_len]),
+    )
     # The prompt's last position (never padding: prompts are left-padded) predicts token 0.
     first = ops.logits(h[:, -1])[owner]
-    h = ops.embed(ids[:, prompt_len:])
-    cos, sin = ops.rotary(pos[:, prompt_len:], h.dtype)
-    allowed = _response_mask(mask, prompt_len)
-    for layer, (k_p, v_p) in zip(ops.decoder_layers(), prompt_kv, strict=True):
-        q, k, v = ops.qkv(layer, h, cos, sin)
-        k, v = torch.cat([k_p[owner], k], dim=2), torch.cat([v_p[owner], v], dim=2)
-        h = ops.finish_layer(layer, h, (q, k, v), allowed)
+
+    def join(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_p, v_p = prompt_kv[i]  # the group's prompt, gathered out to each of its rows
+        return torch.cat([k_p[owner], k], dim=2), torch.cat([v_p[owner], v], dim=2)
+
+    h, _ = ops.blocks(
+        ops.embed(ids[:, prompt_len:]), pos[:, prompt_len:], _response_mask(mask, prompt_len), join
+    )
     # Response token j predicts token j + 1: the last response position predicts nothing.
     rest = ops.logits(h[:, : resp_len - 1])
     return torch.cat([first[:, None], rest], dim=1).float()

@@ -53,14 +53,9 @@ class _Decoder:
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV | None
     ) -> tuple[torch.Tensor, KV]:
         ops = self.ops
-        h = ops.embed(ids)
-        cos, sin = ops.rotary(pos, h.dtype)
-        allowed = llama.prefill_mask(mask) if kv is None else mask[:, None, None, :].bool()
-        out: KV = []
-        for i, layer in enumerate(ops.decoder_layers()):
-            q, k, v = ops.qkv(layer, h, cos, sin)
-            if kv is not None:
-                k, v = append(kv[i][0], k), append(kv[i][1], v)
-            h = ops.finish_layer(layer, h, (q, k, v), allowed)
-            out.append((k, v))
+        if kv is None:  # prefill
+            h, out = ops.blocks(ops.embed(ids), pos, llama.prefill_mask(mask))
+        else:  # decode: the new token after each layer's cache, appended in place
+            join = lambda i, k, v: (append(kv[i][0], k), append(kv[i][1], v))  # noqa: E731
+            h, out = ops.blocks(ops.embed(ids), pos, mask[:, None, None, :].bool(), join)
         return ops.logits(h[:, -1]), out
