@@ -22,7 +22,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def test_lean_forward_on_cuda_equals_transformers(arch, dtype):
     model = (random_qwen2(init_std=0.2) if arch == "qwen2" else _llama()).to("cuda", dtype)
     lean, reference = _lanes(model)
-    assert lean._lean.native_gqa is False  # CUDA takes the repeated-K/V path
+    assert lean._lean.ops.native_gqa is False  # CUDA takes the repeated-K/V path
     got, got_batch = _run(lean)
     want, want_batch = _run(reference)
     # fp32 CUDA kernels (SDPA's choice differs between the two calls) agree to ~1e-5
