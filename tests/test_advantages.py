@@ -19,18 +19,17 @@ from asyncrl.algo.advantages import (
     broadcast_to_tokens,
     compute_advantages,
     estimator_stage,
-    filter_zero_variance_groups,
     gae_advantages,
     get_adv_estimator,
     grpo_advantages,
     one_group_advantages,
     outcome_token_rewards,
-    overlong_penalty,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
 from asyncrl.algo.agg import masked_whiten
+from asyncrl.algo.dapo import overlong_penalty
 
 D = torch.float64
 
@@ -375,14 +374,6 @@ def test_registry_token_level_estimators():
 
 
 # ------------------------------------------------------------------ DAPO
-
-
-def test_filter_zero_variance_groups():
-    groups = [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5], [], [0.2, 0.2000001]]
-    assert filter_zero_variance_groups(groups) == [1, 5]
-    assert filter_zero_variance_groups(groups, atol=1e-3) == [1]
-    tensor = t([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
-    assert filter_zero_variance_groups(tensor) == [1]
 
 
 def test_overlong_penalty():

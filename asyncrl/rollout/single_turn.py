@@ -23,12 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.algo.advantages import (
-    AdvantageParams,
-    estimator_stage,
-    one_group_advantages,
-    overlong_penalty,
-)
+from asyncrl.algo.advantages import AdvantageParams, estimator_stage, one_group_advantages
+from asyncrl.algo.dapo import overlong_penalty
 from asyncrl.data.prompts import PromptItem
 from asyncrl.rollout.settings import (
     PermanentRolloutError,
