@@ -36,7 +36,7 @@ class BackgroundStream:
         self.target, self.name, self._owns = target, name, owns_target
         # An item is text to write, or an Event to set once everything before it is written.
         self._queue: queue.SimpleQueue[str | threading.Event | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
+        self._error: str | None = None  # the failed write's error, as text (holds no frames)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
         self._thread.start()
@@ -90,7 +90,7 @@ class BackgroundStream:
                     self.target.write("".join(texts))
                     self.target.flush()
                 except Exception as e:  # noqa: BLE001 - kept, raised in the writing thread
-                    self._error = e
+                    self._error = f"{type(e).__name__}: {e}"
             for item in items:
                 if isinstance(item, threading.Event):
                     item.set()
