@@ -48,12 +48,6 @@ class BackgroundStream:
         self._queue.put(text)
         return len(text)
 
-    def flush(self) -> None:
-        """Nothing to do here: the writer thread flushes after every batch it writes."""
-
-    def isatty(self) -> bool:
-        return bool(getattr(self.target, "isatty", lambda: False)())
-
     def drain(self) -> None:
         """Wait until everything written so far is written and flushed to the target."""
         if not self._closed:
