@@ -8,6 +8,7 @@ one another for a port or for `ray.init`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -145,6 +146,32 @@ def _ray_loopback() -> None:
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
         constants.ENABLE_RAY_CLUSTER = False
+
+
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Run blocking `fn` in a daemon thread. Unlike `asyncio.to_thread`, a collective stuck
+    until its group timeout never holds up event-loop shutdown."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, daemon=True, name=f"asyncrl-{fn.__name__}").start()
+    return fut
 
 
 class AsyncRunner:

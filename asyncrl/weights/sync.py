@@ -23,9 +23,7 @@ group is marked broken; call `init_group` again (or discard the engines).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from asyncrl.net import in_daemon_thread
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,
@@ -129,32 +128,6 @@ def _with_last(it: Iterable) -> Iterator[tuple[object, bool]]:
     yield prev, True
 
 
-def _in_thread(fn, *args) -> asyncio.Future:
-    """Run blocking `fn` in a daemon thread. Unlike `asyncio.to_thread`, a collective stuck
-    until its group timeout never holds up event-loop shutdown."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(result, exc) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as e:  # handed to the awaiting coroutine
-            result, exc = None, e
-        with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, exc)
-
-    threading.Thread(target=run, daemon=True, name=f"weights-{fn.__name__}").start()
-    return fut
-
-
 #: `load_format="auto"`: buckets whose tensors average at least this many bytes go per tensor.
 PER_TENSOR_MIN_BYTES = 1 << 20
 
@@ -219,7 +192,7 @@ class WeightSender:
             ): e
             for e, off in zip(engines, offsets)
         }
-        mine = _in_thread(
+        mine = in_daemon_thread(
             create_group, backend, master_address, port, 0, world, self.group_name, timeout
         )
         try:
@@ -315,7 +288,7 @@ class WeightSender:
             ): e
             for e in self.engines
         }
-        sent = _in_thread(broadcast, payload, self._group)
+        sent = in_daemon_thread(broadcast, payload, self._group)
         await self._wait_all(calls, sent, self.timeout_s, f"bucket {index} ({len(names)} tensors)")
         return sum(tensor_nbytes(t) for t in payload)
 

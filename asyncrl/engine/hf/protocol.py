@@ -12,6 +12,8 @@ import json
 import math
 import uuid
 
+from aiohttp import web
+
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, is_neutral, show
 from asyncrl.engine.versions import PIN_KEY
 from asyncrl.weights.group import BACKENDS
@@ -203,3 +205,9 @@ def group_init(body: dict, default_timeout_s: float) -> tuple:
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_GROUP_TIMEOUT_S):
         raise RequestError(f"field 'timeout' must be in (0, {MAX_GROUP_TIMEOUT_S:g}] seconds")
     return addr, port, offset, world, name, backend, float(timeout)
+
+
+def ok_reply(success: bool, message: str, **extra) -> web.Response:
+    """SGLang's reply to a control call: `success` and a message (HTTP 400 when it failed)."""
+    body = {"success": success, "message": message, **extra}
+    return web.json_response(body, status=200 if success else 400)

@@ -36,7 +36,8 @@ from aiohttp import web
 
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, show
 from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
-from asyncrl.engine.hf.protocol import field, group_init, parse_generate, read_json, version
+from asyncrl.engine.hf.protocol import field, ok_reply, parse_generate, read_json, version
+from asyncrl.engine.hf.weight_routes import add_weight_routes
 from asyncrl.engine.hf.weights import WeightReceiver
 from asyncrl.engine.process import API_KEY_ENV
 from asyncrl.engine.versions import HF_SERVER_VERSION
@@ -45,9 +46,7 @@ from asyncrl.threads import ThreadShare, apply_thread_share
 log = logging.getLogger("asyncrl.engine.hf.server")
 HEALTH_TIMEOUT_S = 20.0
 ENGINE = web.AppKey("engine", HFEngine)
-RECEIVER = web.AppKey("receiver", WeightReceiver)
 INFO = web.AppKey("info", dict)
-UPDATE_LOCK = web.AppKey("update_lock", asyncio.Lock)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -55,11 +54,6 @@ def _error(status: int, message: str) -> web.Response:
     message = message[:500] + ("..." if len(message) > 500 else "")
     body = {"object": "error", "message": message, "type": str(status), "code": status}
     return web.json_response(body, status=status)
-
-
-def _ok(success: bool, message: str, **extra) -> web.Response:
-    body = {"success": success, "message": message, **extra}
-    return web.json_response(body, status=200 if success else 400)
 
 
 @web.middleware
@@ -252,56 +246,13 @@ async def update_weight_version(request: web.Request) -> web.Response:
         await asyncio.to_thread(engine.abort, None)
     await asyncio.to_thread(engine.set_weight_version, new_version)
     msg = f"Weight version updated to {engine.weight_version}"
-    return _ok(True, msg, new_version=engine.weight_version)
-
-
-async def _locked_in_thread(app: web.Application, fn, *args):
-    """Run a group operation in a thread, one at a time, immune to client disconnects.
-
-    Collectives on a group must run in order and to completion: a sender that gives up (and
-    drops the connection, which cancels this handler) must not release the lock while the
-    receive thread is still inside the collective.
-    """
-
-    async def locked():
-        async with app[UPDATE_LOCK]:
-            return await asyncio.to_thread(fn, *args)
-
-    return await asyncio.shield(asyncio.ensure_future(locked()))
-
-
-async def init_weights_update_group(request: web.Request) -> web.Response:
-    args = group_init(await _body(request), request.app[INFO]["group_timeout_s"])
-    ok, msg = await _locked_in_thread(request.app, request.app[RECEIVER].init_group, *args)
-    return _ok(ok, msg)
-
-
-async def destroy_weights_update_group(request: web.Request) -> web.Response:
-    name = field(await _body(request), "group_name", str, "weight_update_group")
-    ok, msg = await _locked_in_thread(request.app, request.app[RECEIVER].destroy_group, name)
-    return _ok(ok, msg)
-
-
-async def update_weights_from_distributed(request: web.Request) -> web.Response:
-    body = await _body(request)
-    names, dtypes, shapes = (field(body, k, list) for k in ("names", "dtypes", "shapes"))
-    group = field(body, "group_name", str, "weight_update_group")
-    fmt = field(body, "load_format", str, None)
-    new_version = version(body, "weight_version", required=False)
-    receiver, engine = request.app[RECEIVER], request.app[ENGINE]
-    args = (names, dtypes, shapes, group, fmt, new_version)  # the version loads with the bucket
-    ok, msg = await _locked_in_thread(request.app, receiver.update, *args)
-    if ok and new_version is not None:
-        msg += f" Weight version updated to {engine.weight_version}."
-    return _ok(ok, msg)
+    return ok_reply(True, msg, new_version=engine.weight_version)
 
 
 def build_app(engine: HFEngine, info: dict, api_key: str | None = None) -> web.Application:
     middlewares = [_auth(api_key), _errors] if api_key else [_errors]
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024**2)
     app[ENGINE], app[INFO] = engine, info
-    app[RECEIVER] = WeightReceiver(engine)
-    app[UPDATE_LOCK] = asyncio.Lock()
     r = app.router
     r.add_post("/generate", generate)
     r.add_get("/health", health)
@@ -316,9 +267,7 @@ def build_app(engine: HFEngine, info: dict, api_key: str | None = None) -> web.A
     r.add_get("/get_server_info", server_info)
     r.add_get("/get_weight_version", get_weight_version)
     r.add_post("/update_weight_version", update_weight_version)
-    r.add_post("/init_weights_update_group", init_weights_update_group)
-    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    add_weight_routes(app, WeightReceiver(engine), info["group_timeout_s"])
     return app
 
 

@@ -27,6 +27,7 @@ in fp32 from the pristine copy, so repeated syncs never accumulate rounding. A f
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -71,6 +72,11 @@ class WeightReceiver:
         # An update into a running (unpaused) engine: every bucket received and checked, none
         # loaded until the one carrying the version (see `update`).
         self.deferred: list[tuple[list, list[torch.Tensor], bool]] = []
+        # A receive the sender gave up on cannot be interrupted (gloo waits out the group
+        # timeout), so `abandon` disowns it: `epoch` moves on and the receive, whenever it
+        # returns, changes nothing. `state` orders abandons against the receive's commit.
+        self.epoch = 0
+        self.state = threading.Lock()
 
     def init_group(
         self,
@@ -122,7 +128,8 @@ class WeightReceiver:
         bucket is received and checked but held, and the one carrying the version loads them
         all, and sets the version, under one `step_lock`: between two steps, the tokens before
         it carry the old version and the tokens after it the new one."""
-        if group_name not in self.groups:
+        entry = self.groups.get(group_name)
+        if entry is None:
             return False, f"group {group_name!r} not initialised; call init_weights_update_group"
         if load_format not in (None, "flattened_bucket"):
             return False, f"unsupported load_format {load_format!r}"
@@ -136,26 +143,56 @@ class WeightReceiver:
         total = flat_layout(tdtypes, tshapes)[1]
         if total > self.max_bucket_bytes:  # no real bucket is bigger than the model itself
             return False, f"bucket of {total} bytes exceeds the model's {self.max_bucket_bytes}"
-        pg, backend = self.groups[group_name]
+        pg, backend = entry
         device = torch.device("cpu") if backend == "gloo" else self.engine.device
         # Swap-in needs known names and the receive device to be the parameters' own.
         per_tensor = load_format is None and self._check(names, tdtypes, tshapes) is None
         per_tensor = per_tensor and not any(lora_half(n) for n in names)  # adapters are staged
         per_tensor = per_tensor and all(self.params[n].device == device for n in names)
         hold = not self.engine.paused and version is None  # a running engine, more to come
+        flattened = load_format == "flattened_bucket"
+        with self.state:  # an abandon after this leaves these buffers to this receive
+            if self.groups.get(group_name) is not entry:  # abandoned before it began
+                return False, _abandoned(group_name)
+            epoch = self.epoch
+            tensors, payload = self._buffers(
+                names, tdtypes, tshapes, per_tensor, flattened, device, hold
+            )
         try:
-            if per_tensor:
-                tensors = [self._shadow(n, device) for n in names]
-                broadcast(tensors, pg, src=0)
-            else:
-                tensors = self._receive(pg, tdtypes, tshapes, load_format, device, total, hold)
+            broadcast(payload, pg, src=0)
         except GroupError as e:
-            # A failed collective leaves the group unusable: drop it so a re-init can succeed.
-            self.groups.pop(group_name, None)
+            with self.state:
+                if epoch != self.epoch:
+                    return False, _abandoned(group_name)
+                # A failed collective leaves the group unusable: drop it so a re-init can succeed.
+                self.groups.pop(group_name, None)
+                self.deferred.clear()
             destroy_group(pg)
-            self.deferred.clear()
             return False, f"receive on group {group_name!r} failed (group dropped): {e}"
-        problem = self._check(names, tdtypes, tshapes) or _non_finite(names, tensors)
+        with self.state:
+            if epoch != self.epoch:
+                return False, _abandoned(group_name)
+            return self._commit(names, tdtypes, tshapes, tensors, per_tensor, hold, version)
+
+    def _buffers(self, names, dtypes, shapes, per_tensor, flattened, device, hold) -> tuple:
+        """(the bucket's tensors, what the broadcast fills). Per tensor: the parameters'
+        shadows; else views into the staging buffer (one of their own when `hold`: the next
+        bucket reuses the staging one), filled by one broadcast (flattened_bucket) or one per
+        tensor, in order (the sender's two layouts)."""
+        if per_tensor:
+            tensors = [self._shadow(n, device) for n in names]
+            return tensors, tensors
+        total = flat_layout(dtypes, shapes)[1]
+        if hold:
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+        else:
+            buf = self.staging.get(total, device)
+        tensors = unflatten_bucket(buf, dtypes, shapes)
+        return tensors, [buf] if flattened else tensors
+
+    def _commit(self, names, dtypes, shapes, tensors, per_tensor, hold, version) -> tuple:
+        """A received bucket: checked, then held or loaded (with every bucket held before it)."""
+        problem = self._check(names, dtypes, shapes) or _non_finite(names, tensors)
         if problem is None:
             self.deferred.append((names, tensors, per_tensor))
             if not hold:
@@ -166,6 +203,21 @@ class WeightReceiver:
             self.deferred.clear()  # nor a held bucket load with a later sync's
             return False, f"bucket rejected, model unchanged: {problem}"
         return True, f"Succeeded to update {len(names)} parameters online."
+
+    def abandon(self, group_name: str) -> tuple[bool, str]:
+        """Drop `group_name` while a receive on it is still in flight (in another thread): the
+        sender destroyed the group, so no bytes will come, but gloo cannot interrupt the wait
+        short of the group's timeout. The receive keeps the buffers it writes into (fresh
+        staging and shadows from here on), and whatever it returns changes nothing."""
+        with self.state:
+            self.epoch += 1
+            self.staging, self.shadows = StagingBuffer(), {}
+            self.pending.clear()  # this sync's halves and held buckets: it will never finish
+            self.deferred.clear()
+            entry = self.groups.pop(group_name, None)
+        if entry is not None:
+            destroy_group(entry[0])
+        return True, "Succeeded to destroy custom process group (its receive in flight abandoned)."
 
     def _load(self, version: str | None) -> None:
         """Load every held bucket (and set `version`, if given) between two engine steps."""
@@ -193,18 +245,6 @@ class WeightReceiver:
         if buf is None or buf.device != device:
             buf = self.shadows[name] = torch.empty_like(param, device=device)
         return buf
-
-    def _receive(self, pg, dtypes, shapes, load_format, device, total, hold: bool) -> list:
-        """The bucket's tensors as views into the staging buffer (a buffer of their own when
-        `hold`: the next bucket reuses the staging one): one broadcast of the whole buffer
-        (flattened_bucket) or one per tensor, in order (the sender's two layouts)."""
-        if hold:
-            buf = torch.empty(total, dtype=torch.uint8, device=device)
-        else:
-            buf = self.staging.get(total, device)
-        tensors = unflatten_bucket(buf, dtypes, shapes)
-        broadcast([buf] if load_format == "flattened_bucket" else tensors, pg, src=0)
-        return tensors
 
     def _lora(self, name: str, tensor: torch.Tensor) -> None:
         """Hold one adapter half; with its partner here, load W0 + B·A into the layer."""
@@ -277,6 +317,10 @@ class WeightReceiver:
                     dtype_name(param.dtype)
                 )
         return None
+
+
+def _abandoned(group_name: str) -> str:
+    return f"receive on group {group_name!r} abandoned: the sender destroyed the group"
 
 
 def _non_finite(names: list, tensors: list[torch.Tensor]) -> str | None:
