@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
 import socket
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -114,16 +115,44 @@ def init_ray(address: str | None = None) -> None:
     # address="local": always a fresh Ray of this run's own. Without it Ray joins whatever
     # cluster /tmp/ray/ray_current_cluster names (another run's, a `ray start` on the box)
     # and refuses num_cpus there; a multi-node run names its cluster in `cluster.address`.
-    ray.init(
+    start = functools.partial(
+        ray.init,
         address="local",
         include_dashboard=False,
         num_cpus=cpus,
         log_to_driver=True,
         _node_ip_address="127.0.0.1",
     )
+    _on_a_lasting_thread(start)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != "127.0.0.1":
         log.warning("Ray's local node is on %s: its servers listen beyond loopback", node_ip)
+
+
+def _on_a_lasting_thread(start: Callable[[], object]) -> None:
+    """Call `start` (which spawns Ray's GCS and raylet) on a thread that lives as long as the
+    process. Ray asks the kernel to kill those processes when the thread that spawned them
+    exits (`PR_SET_PDEATHSIG` follows the thread, not the process): started from a run on a
+    short-lived thread (a test's, a notebook's, a service's), they were killed as it ended, and
+    this process, left without its GCS, was made to exit 60 s later by Ray itself."""
+    if threading.current_thread() is threading.main_thread():
+        start()
+        return
+    started, failed = threading.Event(), []
+
+    def keep() -> None:
+        try:
+            start()
+        except BaseException as e:  # handed to the caller
+            failed.append(e)
+        started.set()
+        if not failed:
+            threading.Event().wait()  # parked for the life of the process (a daemon thread)
+
+    threading.Thread(target=keep, name="asyncrl-ray-owner", daemon=True).start()
+    started.wait()
+    if failed:
+        raise failed[0]
 
 
 def _ray_cluster_mode() -> None:
