@@ -80,10 +80,15 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     receiver, abandon = request.app[RECEIVER], request.app[_IN_FLIGHT].get(name)
     if abandon is None:
         ok, msg = await _locked(request.app, receiver.destroy_group, name)
-    else:  # its sender is gone: no byte of that receive will come (see the module's doc)
-        ok, msg = await asyncio.to_thread(receiver.abandon, name)
+        return ok_reply(ok, msg)
+
+    async def abandoning() -> tuple[bool, str]:  # its sender is gone: no byte of it will come
+        result = await asyncio.to_thread(receiver.abandon, name)
         if not abandon.done():
-            abandon.set_result(None)
+            abandon.set_result(None)  # the receive's handler answers and releases the lock
+        return result
+
+    ok, msg = await asyncio.shield(asyncio.ensure_future(abandoning()))  # even if we hang up
     return ok_reply(ok, msg)
 
 
