@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -88,16 +87,6 @@ def unauthorized(url: str) -> bool:
     return False
 
 
-def kill_after(trained: Path, pid: int, timeout_s: float = 300.0) -> None:
-    """SIGKILL `pid` (a placed engine's server; one machine) once a first step trained."""
-    deadline = time.monotonic() + timeout_s
-    while not (trained.exists() and trained.read_text().strip()):
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-
-
 STEPS = 12
 
 
@@ -107,21 +96,31 @@ def test_run_trains_through_engines_and_workers_on_two_nodes(tiny_model, tmp_pat
     from asyncrl.engine.placement import PlacedLauncher
     from asyncrl.rollout.ray_pool import RayWorkerPool
     from asyncrl.run import run
+    from asyncrl.weights.sync import WeightSender
 
     seen: dict[str, list] = {"engines": [], "urls": [], "refused": [], "workers": []}
     launch, pool_init = PlacedLauncher.launch, RayWorkerPool.__init__
+    send_bucket = WeightSender._send_bucket
     first_trained = tmp_path / "trained_groups.jsonl"
+    victim: list[int] = []  # engine 0's server pid, until it is killed
 
     def recording_launch(self, index, port=None):
         handle = launch(self, index, port)
         seen["engines"].append(ray.get(self.actors[index].node.remote()))
         seen["urls"].append(handle.url)
         seen["refused"].append(unauthorized(handle.url))
-        if len(seen["urls"]) == 2:  # once training runs, engine 1's server is killed -9
-            threading.Thread(
-                target=kill_after, args=(first_trained, handle.proc.pid), daemon=True
-            ).start()
+        if len(seen["urls"]) == 1:
+            victim.append(handle.proc.pid)
         return handle
+
+    def killing_send_bucket(self, *args, **kwargs):
+        """Engine 0's server (rank 1 of the update group) is killed -9 as the first sync
+        after a trained step sends its first bucket: the learner's broadcast fails on it, and
+        engine 1 is left inside a receive that only the group's timeout would end; the heal
+        must abandon that receive and bring both engines back."""
+        if victim and first_trained.exists() and first_trained.read_text().strip():
+            os.kill(victim.pop(), signal.SIGKILL)
+        return send_bucket(self, *args, **kwargs)
 
     def recording_pool(self, settings_for, num_workers, options_for=None, address=None):
         pool_init(self, settings_for, num_workers, options_for, address)
@@ -131,16 +130,18 @@ def test_run_trains_through_engines_and_workers_on_two_nodes(tiny_model, tmp_pat
     mp = pytest.MonkeyPatch()
     mp.setattr(PlacedLauncher, "launch", recording_launch)
     mp.setattr(RayWorkerPool, "__init__", recording_pool)
+    mp.setattr(WeightSender, "_send_bucket", killing_send_bucket)
     try:
-        # 12 steps: a 3-step run could end (a few tenths of a second) before the kill and
-        # the heal it must show; each step needs fresh groups, so 11 more steps outlast both
+        # 12 steps: the kill comes with the sync after the first trained step, and the heal
+        # it must show needs steps after it; each step needs fresh groups
         summary = run(shrunk(tiny_model, tmp_path, two_nodes.address, f"max_steps={STEPS}"))
     finally:
         mp.undo()
     cluster_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     engine_nodes = {node for node, _ in seen["engines"]}
     assert engine_nodes == cluster_nodes and len(cluster_nodes) == 2  # one engine per node
-    assert len(seen["urls"]) == 3 and seen["urls"][2] == seen["urls"][1]  # healed in place
+    assert not victim  # killed during a sync
+    assert len(seen["urls"]) == 3 and seen["urls"][2] == seen["urls"][0]  # healed in place
     assert set(seen["workers"]) == cluster_nodes  # workers beside their engines
     # every advertised address is the node's own (Ray's), never loopback
     for (_, ip), url in zip(seen["engines"], seen["urls"], strict=True):
