@@ -21,7 +21,7 @@ import asyncio
 from aiohttp import web
 
 from asyncrl.engine.hf.protocol import field, group_init, ok_reply, read_json, version
-from asyncrl.engine.hf.weights import WeightReceiver
+from asyncrl.engine.hf.weights import WeightReceiver, abandoned
 from asyncrl.net import in_daemon_thread
 
 RECEIVER = web.AppKey("receiver", WeightReceiver)
@@ -60,10 +60,7 @@ async def _locked(app: web.Application, fn, *args, receive_on: str | None = None
             if work.done():
                 return work.result()
             work.add_done_callback(lambda f: f.exception())  # ends at its timeout, unread
-            return (
-                False,
-                f"receive on group {receive_on!r} abandoned: the sender destroyed the group",
-            )
+            return False, abandoned(receive_on)
 
     return await asyncio.shield(asyncio.ensure_future(run()))
 

@@ -128,7 +128,7 @@ class WeightReceiver:
         bucket is received and checked but held, and the one carrying the version loads them
         all, and sets the version, under one `step_lock`: between two steps, the tokens before
         it carry the old version and the tokens after it the new one."""
-        entry = self.groups.get(group_name)
+        epoch, entry = self.epoch, self.groups.get(group_name)  # an abandon moves the epoch on
         if entry is None:
             return False, f"group {group_name!r} not initialised; call init_weights_update_group"
         if load_format not in (None, "flattened_bucket"):
@@ -152,18 +152,17 @@ class WeightReceiver:
         hold = not self.engine.paused and version is None  # a running engine, more to come
         flattened = load_format == "flattened_bucket"
         with self.state:  # an abandon after this leaves these buffers to this receive
-            if self.groups.get(group_name) is not entry:  # abandoned before it began
-                return False, _abandoned(group_name)
-            epoch = self.epoch
+            if epoch != self.epoch:  # abandoned before it began
+                return False, abandoned(group_name)
             tensors, payload = self._buffers(
-                names, tdtypes, tshapes, per_tensor, flattened, device, hold
+                names, tdtypes, tshapes, total, per_tensor, flattened, device, hold
             )
         try:
             broadcast(payload, pg, src=0)
         except GroupError as e:
             with self.state:
                 if epoch != self.epoch:
-                    return False, _abandoned(group_name)
+                    return False, abandoned(group_name)
                 # A failed collective leaves the group unusable: drop it so a re-init can succeed.
                 self.groups.pop(group_name, None)
                 self.deferred.clear()
@@ -171,10 +170,10 @@ class WeightReceiver:
             return False, f"receive on group {group_name!r} failed (group dropped): {e}"
         with self.state:
             if epoch != self.epoch:
-                return False, _abandoned(group_name)
+                return False, abandoned(group_name)
             return self._commit(names, tdtypes, tshapes, tensors, per_tensor, hold, version)
 
-    def _buffers(self, names, dtypes, shapes, per_tensor, flattened, device, hold) -> tuple:
+    def _buffers(self, names, dtypes, shapes, total, per_tensor, flattened, device, hold) -> tuple:
         """(the bucket's tensors, what the broadcast fills). Per tensor: the parameters'
         shadows; else views into the staging buffer (one of their own when `hold`: the next
         bucket reuses the staging one), filled by one broadcast (flattened_bucket) or one per
@@ -182,7 +181,6 @@ class WeightReceiver:
         if per_tensor:
             tensors = [self._shadow(n, device) for n in names]
             return tensors, tensors
-        total = flat_layout(dtypes, shapes)[1]
         if hold:
             buf = torch.empty(total, dtype=torch.uint8, device=device)
         else:
@@ -319,7 +317,8 @@ class WeightReceiver:
         return None
 
 
-def _abandoned(group_name: str) -> str:
+def abandoned(group_name: str) -> str:
+    """The reply to a receive that `WeightReceiver.abandon` disowned."""
     return f"receive on group {group_name!r} abandoned: the sender destroyed the group"
 
 
