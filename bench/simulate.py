@@ -46,7 +46,8 @@ from asyncrl.orchestrator import GroupPump
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 from asyncrl.rollout.dispatch import Dispatcher
 from asyncrl.rollout.settings import PromptResult
-from asyncrl.transport.zmq import Receiver, ReceiverConfig, Sender, SenderConfig
+from asyncrl.transport.sender import Sender, SenderConfig
+from asyncrl.transport.zmq import Receiver, ReceiverConfig
 from asyncrl.types import TrajectoryGroup
 
 TARGET_UTIL, TARGET_MS = 0.95, 1.0

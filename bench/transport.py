@@ -45,7 +45,8 @@ from common import finish, headline, make_parser
 from asyncrl.transport.auth import ConnectionGate, Credentials
 from asyncrl.transport.batch import BATCH_BYTES, chunk_groups, encode_groups
 from asyncrl.transport.codec import message_nbytes
-from asyncrl.transport.zmq import PING, Receiver, ReceiverConfig, Sender, SenderConfig
+from asyncrl.transport.sender import Sender, SenderConfig
+from asyncrl.transport.zmq import PING, Receiver, ReceiverConfig
 from asyncrl.types import TrajectoryGroup
 
 SIZES = (1024, 4096, 16384)

@@ -34,11 +34,10 @@ from asyncrl.rollout.single_turn import GroupBuilder
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.transport.auth import USER, Credentials, needs_curve
 from asyncrl.transport.codec import encode_group
+from asyncrl.transport.sender import Sender, SenderConfig
 from asyncrl.transport.zmq import (
     Receiver,
     ReceiverConfig,
-    Sender,
-    SenderConfig,
     TransportTimeout,
 )
 from asyncrl.types import NOT_GENERATED, TrajectoryGroup

@@ -29,11 +29,10 @@ from asyncrl.transport.codec import (
     decode_group,
     encode_group,
 )
+from asyncrl.transport.sender import Sender, SenderConfig
 from asyncrl.transport.zmq import (
     Receiver,
     ReceiverConfig,
-    Sender,
-    SenderConfig,
     TransportTimeout,
 )
 from asyncrl.types import TrajectoryGroup

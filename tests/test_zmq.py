@@ -17,13 +17,12 @@ import zmq
 
 from asyncrl.transport.auth import Credentials, needs_curve
 from asyncrl.transport.codec import EncodeError, decode_group, encode_group
+from asyncrl.transport.sender import Sender, SenderConfig
 from asyncrl.transport.zmq import (
     PING,
     Receiver,
     ReceiverConfig,
     ReceiverError,
-    Sender,
-    SenderConfig,
     TransportTimeout,
 )
 from asyncrl.types import TrajectoryGroup

@@ -65,7 +65,7 @@ class RolloutWorker:
     def __init__(self, settings: RolloutSettings) -> None:
         from asyncrl.transport.auth import needs_curve
         from asyncrl.transport.batcher import SendBatcher
-        from asyncrl.transport.zmq import Sender, SenderConfig
+        from asyncrl.transport.sender import Sender, SenderConfig
 
         self.settings = settings
         self.builder = make_builder(settings)

@@ -13,13 +13,12 @@ from asyncrl.transport.codec import (
     encode_arrays,
     encode_group,
 )
+from asyncrl.transport.sender import Sender, SenderConfig
 from asyncrl.transport.zmq import (
     Receiver,
     ReceiverConfig,
     ReceiverError,
     ReceiverStats,
-    Sender,
-    SenderConfig,
     TransportTimeout,
 )
 

@@ -20,7 +20,7 @@ from concurrent.futures import Executor, Future
 
 from asyncrl.transport.batch import BATCH_BYTES, chunk_groups, encode_groups
 from asyncrl.transport.codec import EncodeError
-from asyncrl.transport.zmq import Sender
+from asyncrl.transport.sender import Sender
 from asyncrl.types import TrajectoryGroup
 
 

@@ -1,4 +1,4 @@
-"""The trajectory stream: many ZMQ PUSH senders, one PULL receiver.
+"""The trajectory stream: many ZMQ PUSH senders (`sender.py`), one PULL receiver (here).
 
 Backpressure, never loss. Who buffers what, per sender connection: the sender's libzmq pipe
 holds up to `SenderConfig.hwm` messages, the kernel's TCP send and receive buffers hold what
@@ -37,30 +37,19 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import zmq
 
 from asyncrl.transport.auth import ConnectionGate, Credentials, needs_curve
-from asyncrl.transport.batch import BATCH_BYTES, chunk_groups, decode_groups, encode_groups
-from asyncrl.transport.codec import (
-    MAX_FRAMES,
-    MAX_MESSAGE_BYTES,
-    DecodeError,
-    EncodeError,
-    encode_arrays,
-    encode_group,
-    message_nbytes,
-)
-from asyncrl.types import TrajectoryGroup
+from asyncrl.transport.batch import decode_groups
+from asyncrl.transport.codec import MAX_FRAMES, MAX_MESSAGE_BYTES, DecodeError, encode_arrays
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: `timeout_s` default of the send methods: use the config's `send_timeout_s`.
-USE_CONFIG = -1.0
 #: The handshake ping: a header-only codec message of kind "ping".
 PING = bytes(encode_arrays({}, kind="ping")[0])
 
@@ -71,22 +60,6 @@ class TransportTimeout(TimeoutError):
 
 class ReceiverError(RuntimeError):
     """The receiver stopped (closed, or broken by a failed `decode`); raised by `get`."""
-
-
-@dataclass
-class SenderConfig:
-    host: str = "127.0.0.1"
-    port: int = 5555
-    hwm: int = 64  # messages queued on this sender's side before `send` blocks
-    send_timeout_s: float | None = 30.0  # None: block until there is room
-    ready_timeout_s: float | None = 60.0  # None: wait for the receiver forever
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    # The run's secret, proven in the handshake. None: no credentials (the receiver must have
-    # no secret either). Never printed (repr=False).
-    secret: bytes | None = field(default=None, repr=False)
-    # CURVE or PLAIN, as the receiver uses: None picks what a receiver bound to `host` would
-    # (`needs_curve`); a sender reaching through loopback a receiver bound to 0.0.0.0 says True.
-    curve: bool | None = None
 
 
 @dataclass
@@ -112,91 +85,6 @@ class ReceiverStats:
     pings: int  # READY pings seen
     unauthenticated: int  # connections refused at the handshake (nothing of theirs was read)
     last_error: str | None  # reason of the latest rejection or refusal
-
-
-class Sender:
-    """One PUSH socket connected to a receiver. Not thread-safe: one Sender per thread."""
-
-    def __init__(self, config: SenderConfig, context: zmq.Context | None = None) -> None:
-        self.config = config
-        self.address = f"tcp://{_url_host(config.host)}:{config.port}"
-        self._own_context = context is None
-        self._context = context or zmq.Context()
-        self._socket = self._context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, config.hwm)
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IPV6, int(":" in config.host))
-        self._timeout_ms = -1  # libzmq's SNDTIMEO default: block
-        self.sent = 0
-        self.bytes_sent = 0
-        try:
-            if config.secret is not None:
-                curve = needs_curve(config.host) if config.curve is None else config.curve
-                Credentials.from_secret(config.secret).secure_client(self._socket, curve)
-            self._socket.connect(self.address)
-            why = "receiver did not become ready (not up, or it refused this sender's secret)"
-            self._send([PING], config.ready_timeout_s, why)
-        except BaseException:
-            self.close()
-            raise
-
-    def send(self, group: TrajectoryGroup, timeout_s: float | None = USE_CONFIG) -> int:
-        """Encode and queue one group; returns its size in bytes. Blocks while the queue is full
-        and raises TransportTimeout after `timeout_s` (default: the config's). Arrays are sent
-        zero-copy: do not mutate the group's arrays afterwards."""
-        frames = encode_group(group, max_bytes=self.config.max_message_bytes)
-        return self.send_frames(frames, timeout_s)
-
-    def send_many(
-        self, groups: Sequence[TrajectoryGroup], timeout_s: float | None = USE_CONFIG
-    ) -> int:
-        """Encode and queue `groups` (a sender's backlog) as few messages as the size limit
-        allows, in order; returns their bytes. A batch is queued whole or not at all: on
-        TransportTimeout none of the groups of the message that timed out was sent (earlier
-        messages were). Same zero-copy caveat as `send`."""
-        total = 0
-        for chunk in chunk_groups(groups, min(BATCH_BYTES, self.config.max_message_bytes // 2)):
-            frames = encode_groups(chunk, max_bytes=self.config.max_message_bytes)
-            total += self.send_frames(frames, timeout_s)
-        return total
-
-    def send_frames(self, frames: Sequence[Any], timeout_s: float | None = USE_CONFIG) -> int:
-        """Queue an already encoded message (list of buffers) as one multipart message."""
-        nbytes = message_nbytes(frames)
-        if nbytes > self.config.max_message_bytes:
-            raise EncodeError(f"message of {nbytes} bytes exceeds {self.config.max_message_bytes}")
-        timeout = self.config.send_timeout_s if timeout_s == USE_CONFIG else timeout_s
-        self._send(frames, timeout, "send blocked: receiver full, stalled or gone")
-        self.sent += 1
-        self.bytes_sent += nbytes
-        return nbytes
-
-    def _send(self, frames: Sequence[Any], timeout_s: float | None, why: str) -> None:
-        # SNDTIMEO bounds the wait for HWM room; libzmq checks the HWM on a message's first
-        # frame only, so a multipart message is either queued whole or not at all.
-        timeout_ms = -1 if timeout_s is None else int(timeout_s * 1000)
-        if timeout_ms != self._timeout_ms:
-            self._socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            self._timeout_ms = timeout_ms
-        try:
-            self._socket.send_multipart(frames, copy=False)
-        except zmq.Again:
-            raise TransportTimeout(
-                f"{why} ({self.address}, hwm={self.config.hwm}, waited {timeout_s}s)"
-            ) from None
-
-    def close(self) -> None:
-        if not self._socket.closed:
-            self._socket.close(linger=0)
-        if self._own_context and not self._context.closed:
-            self._context.term()
-
-    def __enter__(self) -> Sender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Receiver(Generic[T]):
@@ -257,7 +145,7 @@ class Receiver(Generic[T]):
         # A frame over the limit makes libzmq drop that peer's connection before buffering it
         # (a memory guard); a well-behaved Sender with the same limit never sends one.
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.address = f"tcp://{_url_host(cfg.host)}:{'*' if cfg.port == 0 else cfg.port}"
+        self.address = f"tcp://{url_host(cfg.host)}:{'*' if cfg.port == 0 else cfg.port}"
         curve = needs_curve(cfg.host) if cfg.curve is None else cfg.curve
         try:
             if cfg.secret is not None:  # the gate answers before any peer can handshake
@@ -401,6 +289,7 @@ class Receiver(Generic[T]):
         self.close()
 
 
-def _url_host(host: str) -> str:
-    """IPv6 literals go in brackets in a ZMQ tcp:// endpoint."""
+def url_host(host: str) -> str:
+    """IPv6 literals go in brackets in a ZMQ tcp:// endpoint (`net.url_host`'s rule: the
+    transport stays below `net` in the layering, so it keeps its own)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
