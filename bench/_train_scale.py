@@ -116,7 +116,7 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
 
 def measure_packing(model_dir: Path, groups: list, micro: int, budget: int, repeats: int) -> dict:
     """(a) and (c): padded learner, packed learner, bare packed fwd+bwd, on the same batch."""
-    from asyncrl.types import collate
+    from asyncrl.learner.collate import collate
 
     data = collate(groups, 0).to_torch("cpu")
     data["response_mask"] = data["response_mask"].float()

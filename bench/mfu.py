@@ -47,7 +47,7 @@ def make_learner(model_dir: Path, args: Any) -> Any:
 
 
 def measure(learner: Any, groups: list, repeats: int) -> dict[str, Any]:
-    from asyncrl.types import collate
+    from asyncrl.learner.collate import collate
 
     times = []
     for i in range(repeats + 1):  # the first step warms up kernels and allocator

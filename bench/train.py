@@ -106,7 +106,7 @@ def _time(fn, repeats: int, cuda: bool) -> float:
 
 
 def measure(model_dir: Path, groups: list, micro: int, repeats: int) -> dict[str, Any]:
-    from asyncrl.types import collate
+    from asyncrl.learner.collate import collate
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bf16") if cuda else ("cpu", "fp32")

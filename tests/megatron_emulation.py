@@ -195,10 +195,10 @@ def main() -> None:
     sys.path.insert(0, str(HERE / "gpu"))
     import test_megatron_gpu as g
 
+    from asyncrl.learner.collate import collate
     from asyncrl.learner.logprobs import token_logprobs
     from asyncrl.learner.torch.learner import TorchLearner
     from asyncrl.net import free_port
-    from asyncrl.types import collate
 
     if sys.argv[3] == "learner":
         work = Path(sys.argv[2]).parent / "work"

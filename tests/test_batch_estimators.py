@@ -15,10 +15,11 @@ import torch
 from asyncrl.algo.advantages import AdvantageParams, batch_outcome_advantages
 from asyncrl.config import load_config
 from asyncrl.config.schema import AlgorithmConfig
+from asyncrl.learner.collate import collate
 from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.objective import advantage_metrics, batch_advantages, check_estimator
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 RFPP, RFPPB = "reinforce_plus_plus", "reinforce_plus_plus_baseline"
 

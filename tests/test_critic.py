@@ -15,6 +15,7 @@ import torch
 
 from asyncrl.checkpoint import Checkpointer
 from asyncrl.config import ConfigError, load_config
+from asyncrl.learner.collate import collate
 from asyncrl.learner.critic import (
     CriticConfigError,
     ValueModel,
@@ -23,7 +24,6 @@ from asyncrl.learner.critic import (
     value_metrics,
 )
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import collate
 from tests.helpers import random_qwen2
 from tests.test_torch_learner import _groups
 

@@ -19,8 +19,9 @@ import torch
 from asyncrl.algo.importance import RolloutIS, ess_by_lag, ess_from_lag_sums, lag_sums
 from asyncrl.config.schema import AlgorithmConfig
 from asyncrl.learner import objective as obj
+from asyncrl.learner.collate import collate
 from asyncrl.metrics.batch import BatchMetrics
-from asyncrl.types import NOT_GENERATED, TrajectoryGroup, collate
+from asyncrl.types import NOT_GENERATED, TrajectoryGroup
 
 NG = NOT_GENERATED
 

@@ -9,9 +9,9 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.learner import lora
+from asyncrl.learner.collate import collate
 from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import collate
 from tests.test_torch_learner import _groups
 
 LORA = [

@@ -12,10 +12,11 @@ import torch
 
 from asyncrl.algo.kl import entropy_from_logits
 from asyncrl.config import load_config
+from asyncrl.learner.collate import collate
 from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.megatron import args as ma
 from asyncrl.learner.megatron import batch as mb
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 HF = {
     "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 3584, "num_hidden_layers": 28,

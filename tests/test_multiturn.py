@@ -13,13 +13,14 @@ import torch
 from asyncrl.config.schema import EnvConfig, GeneratingArgs
 from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.hf.launch import launch_hf_server
+from asyncrl.learner.collate import collate
 from asyncrl.orchestrator import GroupLimits, check_group
 from asyncrl.rollout.chat_tokens import TurnTemplate
 from asyncrl.rollout.multiturn import EpisodeBuilder, EpisodeError
 from asyncrl.rollout.settings import PermanentRolloutError, RolloutSettings
 from asyncrl.rollout.single_turn import GroupBuilder
 from asyncrl.rollout.worker import make_builder
-from asyncrl.types import NOT_GENERATED, collate
+from asyncrl.types import NOT_GENERATED
 from tests import env_fixtures
 
 FIX = "tests.env_fixtures:"

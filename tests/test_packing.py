@@ -18,8 +18,9 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.rules import LOSS_AGG_MODES
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import packing
+from asyncrl.learner.collate import collate
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 TEMPERATURE = 0.7
 

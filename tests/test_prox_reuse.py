@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
 from asyncrl.config.rules import LOSS_AGG_MODES
+from asyncrl.learner.collate import collate
 from asyncrl.learner.logprobs import (
     batched_logprobs,
     budget_chunks,
@@ -18,7 +19,7 @@ from asyncrl.learner.logprobs import (
 )
 from asyncrl.learner.objective import prox_from_training_forward
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 
 def _groups(n_groups=2, n=3, seed=0):

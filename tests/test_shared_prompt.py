@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import load_config
 from asyncrl.config.schema import ModelArgs
 from asyncrl.learner import logprobs as lp
+from asyncrl.learner.collate import collate
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 
 def _groups(seed: int = 0) -> list[TrajectoryGroup]:

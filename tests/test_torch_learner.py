@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.learner.collate import collate
 from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.torch.learner import TorchLearner
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.types import NOT_GENERATED, Batch, RecordError, TrajectoryGroup, collate
+from asyncrl.learner.collate import Batch, collate
+from asyncrl.types import NOT_GENERATED, RecordError, TrajectoryGroup
 
 
 def _group(**overrides: object) -> TrajectoryGroup:

@@ -1,6 +1,6 @@
 """Per-token log-probabilities of response tokens, temperature-matched to the engine.
 
-Layout (see `asyncrl.types.collate`): `input_ids = [left-padded prompt (P) | right-padded
+Layout (see `asyncrl.learner.collate.collate`): `input_ids = [left-padded prompt (P) | right-padded
 response (R)]`. The logit that predicts response token j sits at position P - 1 + j, so the
 response logits are the slice [P - 1, P + R - 1). SGLang's logprob is of `logits / T`, hence the
 division by the same temperature (T = 0 means greedy; the engine reports raw logits then).

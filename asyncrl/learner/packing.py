@@ -161,7 +161,7 @@ def fill_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
     """`tensors` (the collated layout: left-padded prompt | right-padded response, see
-    `asyncrl.types.collate`) packed. `one_row`: every sequence in one row, for an attention
+    `asyncrl.learner.collate.collate`) packed. `one_row`: every sequence in one row, for an attention
     that reads the boundaries at no cost (flash-attention's varlen kernel). Else rows of the
     longest sequence's length (`fill_rows`): a dense block-diagonal mask (sdpa, eager) then
     costs rows x longest², never more than the padded batch's attention, where one row of T

@@ -64,10 +64,10 @@ def configs(tp: int = 1, devices: str = "[0]"):
 
 def compare_with_torch(model_dir: Path, tp: int, devices: str) -> None:
     pytest.importorskip("megatron.core")
+    from asyncrl.learner.collate import collate
     from asyncrl.learner.logprobs import token_logprobs
     from asyncrl.learner.megatron.learner import MegatronLearner
     from asyncrl.learner.torch.learner import TorchLearner
-    from asyncrl.types import collate
 
     torch_cfg, meg_cfg = configs(tp, devices)
     ref = TorchLearner(model_dir, torch_cfg.actor_train, torch_cfg.actor, torch_cfg.algorithm,

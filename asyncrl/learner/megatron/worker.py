@@ -33,6 +33,7 @@ import torch
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
+from asyncrl.learner.collate import collate
 from asyncrl.learner.megatron.args import check_options, plan
 from asyncrl.learner.megatron.batch import right_align, schedule_micro, shard_rows
 from asyncrl.learner.megatron.build import (
@@ -60,7 +61,6 @@ from asyncrl.learner.objective import (
     rollout_is_settings,
     sequence_lags,
 )
-from asyncrl.types import collate
 
 
 def require_megatron() -> None:

@@ -26,13 +26,14 @@ from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.learner import lean, lora, packing
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import objective as obj
+from asyncrl.learner.collate import collate
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import critic as torch_critic
 from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.policy import load_policy, load_reference
-from asyncrl.types import TrajectoryGroup, collate
+from asyncrl.types import TrajectoryGroup
 
 
 class TorchLearner:
