@@ -110,6 +110,7 @@ def train(
             land(rows, evaluator)
             if ckpt_due(cfg, step):  # every row up to it is written first: a resume keeps them
                 land(rows, evaluator, drain=True)
+                logger.flush()  # written by the sinks' threads: on disk before the checkpoint
                 state = {"prompts": prompts.state_dict(), **rollout.state_dict()}
                 ckpt.save(step, learner, {**state, "version": learner.version}, prompts.tokenizer)
         land(rows, evaluator, drain=True)  # the last evaluation lands before the summary

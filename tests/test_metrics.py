@@ -6,6 +6,7 @@ import io
 import json
 import math
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -60,7 +61,12 @@ def test_jsonl_one_row_per_step_nan_as_null_flushed(tmp_path):
     logger = MetricsLogger(tmp_path, cfg(), stream=io.StringIO())
     logger.log(1, {"rollout/reward_mean": 0.5, "loss": math.nan})
     logger.log(2, {"rollout/reward_mean": math.inf, "step": 2})
-    # Flushed each step: readable before close.
+    # Written and flushed by the writer thread, unasked: readable before close (and at once
+    # after `flush()`, which the loop calls before a checkpoint).
+    deadline = time.monotonic() + 30
+    while len((tmp_path / "metrics.jsonl").read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline, "rows not written within 30 s"
+        time.sleep(0.01)
     got = rows(tmp_path / "metrics.jsonl")
     logger.close()
     assert [r["step"] for r in got] == [1, 2]

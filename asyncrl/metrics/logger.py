@@ -162,6 +162,12 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.write(step, clean)
 
+    def flush(self) -> None:
+        """Return once every row logged so far is stored by every sink (before a checkpoint:
+        a resume from it keeps those rows)."""
+        for sink in self._sinks:
+            sink.flush()
+
     def close(self) -> dict[str, Any]:
         """Close every sink, then (when `cfg.plots`) write summary.json and the plots and print
         the summary table. Returns the summary; a second call returns the same summary."""

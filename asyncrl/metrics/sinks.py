@@ -13,10 +13,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.metrics.history import MetricsError
+from asyncrl.metrics.stream import BackgroundStream
 
 
 class Sink(Protocol):
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def flush(self) -> None:
+        """Return once every row written so far is stored (a checkpoint is taken next)."""
 
     def close(self) -> None: ...
 
@@ -24,20 +28,24 @@ class Sink(Protocol):
 class JsonlSink:
     """`metrics.jsonl`: one object per `write` with `step`, `time` (seconds since the run
     started, resumes included), `timestamp` (unix seconds) and the metrics; non-finite values
-    are written as null (strict JSON). Flushed every row so a crash loses at most one line."""
+    are written as null (strict JSON). The row is built here and written and flushed by a
+    writer thread (`stream.BackgroundStream`): `flush()` returns once it is on disk."""
 
     def __init__(self, path: Path, clock: Callable[[], float], append: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._clock = clock
-        self._file = path.open("a" if append else "w", encoding="utf-8")
+        file = path.open("a" if append else "w", encoding="utf-8")
+        self._file = BackgroundStream(file, path.name, owns_target=True)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row: dict[str, Any] = {"step": step, "time": round(self._clock(), 3)}
         row["timestamp"] = round(time.time(), 3)
         row.update({k: v if math.isfinite(v) else None for k, v in metrics.items()})
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
-        self._file.flush()
+
+    def flush(self) -> None:
+        self._file.drain()
 
     def close(self) -> None:
         self._file.close()
@@ -59,6 +67,9 @@ class TensorBoardSink:
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
         summary = self._summary(value=values)
         self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
 
     def close(self) -> None:
         self._writer.flush()
@@ -125,6 +136,9 @@ class WandbSink:
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
+
+    def flush(self) -> None:
+        """W&B's own process uploads the rows: a resume rewinds its run (see above)."""
 
     def close(self) -> None:
         self._run.finish()
