@@ -236,6 +236,7 @@ class Orchestrator:
         self.overlap = overlap
         # An overlapped sync in flight: (its future, the version it carries).
         self._pending: tuple[concurrent.futures.Future, int] | None = None
+        self._landed: dict[str, float] = {}  # an overlapped sync's metrics, landed early
 
     def take_batch(self, n: int, version: int) -> list[TrajectoryGroup]:
         """Block until n groups within the staleness bound are ready; fail loudly, never hang."""
@@ -243,6 +244,10 @@ class Orchestrator:
         while time.monotonic() < deadline:
             self.dispatcher.check()
             self.pump.check()
+            if self._pending is not None and self._pending[0].done():
+                # Landed meanwhile. Failed, its engines may be dead and no batch can come
+                # until the heal its landing does: land it now, not after a batch.
+                self._landed = self.land_sync()
             if self._pending is None:  # a sync in flight heals at its landing if it fails
                 self.fleet.heal(self.learner)
             groups = self.queue.take(n, version, timeout=0.5)
@@ -261,7 +266,7 @@ class Orchestrator:
         metrics returned are those of the sync that ended here: this one, or the overlapped
         one before it ({} when none). `eval_engine` False: a dedicated evaluation engine is
         left at the version it evaluates (`EngineFleet.sync`)."""
-        landed = self.land_sync()
+        landed, self._landed = {**self._landed, **self.land_sync()}, {}
         if not (overlap and self.overlap):
             return self._healed(lambda: self.fleet.sync(self.learner, eval_engine))
         version = self.learner.version

@@ -14,6 +14,7 @@ from asyncrl.orchestrator import Orchestrator
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 from asyncrl.run import overlap_sync
 from asyncrl.weights.sync import WeightSyncError
+from tests.test_replay_queue import group, ids
 
 
 class Learner:
@@ -103,6 +104,45 @@ def test_an_overlapped_sync_that_fails_heals_at_its_landing_and_opens_admission(
     landed = rollout.sync_weights(overlap=True)
     assert fleet.heals == 1 and landed == {"sync/seconds": 0.5, "sync/overlapped": 1.0}
     assert queue.admission.budget() == 3 * 2  # version 1's, opened after the heal
+
+
+class Quiet:
+    """The dispatcher's and the pump's health surface: nothing has gone wrong with them."""
+
+    last_error = None
+
+    def check(self) -> None:
+        pass
+
+    def diagnosis(self) -> str:
+        return ""
+
+
+def test_a_failed_overlapped_sync_heals_while_the_loop_waits_for_a_batch(parts):
+    """The engine died with a sync in flight: no group can come until the fleet heals, so the
+    loop, waiting for its next batch, lands the failed sync (which heals) at once instead of
+    waiting out `take_batch`'s deadline (the old loop healed only once a batch had come)."""
+    rollout, fleet, learner, queue = parts
+    rollout.dispatcher = rollout.pump = Quiet()
+    rollout.rollout = RolloutConfig(request_timeout_s=3.0)  # the deadline: 6 s
+
+    def heal(source) -> bool:  # called at every wait: relaunches (once) what is dead
+        dead, fleet.dead = fleet.dead, False
+        if dead:
+            fleet.heals += 1
+            for gid in ("a", "b"):  # the relaunched engine generates again
+                queue.put(group(gid, version=1))
+        return dead
+
+    fleet.heal = heal
+    learner.version = 1
+    rollout.sync_weights(overlap=True)
+    fleet.land(ok=False)  # the engine died mid-sync
+    fleet.dead = True
+    assert ids(rollout.take_batch(2, 1)) == ["a", "b"] and fleet.heals == 1
+    assert queue.admission.budget() == 3 * 2  # version 1's, opened after the heal
+    learner.version = 2  # the next sync reports the healed one
+    assert rollout.sync_weights(overlap=True) == {"sync/seconds": 0.5, "sync/overlapped": 1.0}
 
 
 def test_overlap_needs_the_run_to_allow_it(parts):
