@@ -41,12 +41,11 @@ class BackgroundStream:
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-{name}", daemon=True)
         self._thread.start()
 
-    def write(self, text: str) -> int:
+    def write(self, text: str) -> None:
         self._raise_error()
         if self._closed:
             raise MetricsError(f"metrics: {self.name} written after close")
         self._queue.put(text)
-        return len(text)
 
     def drain(self) -> None:
         """Wait until everything written so far is written and flushed to the target."""

@@ -15,7 +15,7 @@ import zmq
 from asyncrl.transport.auth import Credentials, needs_curve
 from asyncrl.transport.batch import BATCH_BYTES, chunk_groups, encode_groups
 from asyncrl.transport.codec import MAX_MESSAGE_BYTES, EncodeError, encode_group, message_nbytes
-from asyncrl.transport.zmq import PING, TransportTimeout, url_host
+from asyncrl.transport.zmq import PING, TransportTimeout, tcp_endpoint
 from asyncrl.types import TrajectoryGroup
 
 #: `timeout_s` default of the send methods: use the config's `send_timeout_s`.
@@ -43,7 +43,7 @@ class Sender:
 
     def __init__(self, config: SenderConfig, context: zmq.Context | None = None) -> None:
         self.config = config
-        self.address = f"tcp://{url_host(config.host)}:{config.port}"
+        self.address = tcp_endpoint(config.host, config.port)
         self._own_context = context is None
         self._context = context or zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)

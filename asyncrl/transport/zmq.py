@@ -145,7 +145,7 @@ class Receiver(Generic[T]):
         # A frame over the limit makes libzmq drop that peer's connection before buffering it
         # (a memory guard); a well-behaved Sender with the same limit never sends one.
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.address = f"tcp://{url_host(cfg.host)}:{'*' if cfg.port == 0 else cfg.port}"
+        self.address = tcp_endpoint(cfg.host, "*" if cfg.port == 0 else cfg.port)
         curve = needs_curve(cfg.host) if cfg.curve is None else cfg.curve
         try:
             if cfg.secret is not None:  # the gate answers before any peer can handshake
@@ -289,7 +289,8 @@ class Receiver(Generic[T]):
         self.close()
 
 
-def url_host(host: str) -> str:
-    """IPv6 literals go in brackets in a ZMQ tcp:// endpoint (`net.url_host`'s rule: the
-    transport stays below `net` in the layering, so it keeps its own)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """The ZMQ endpoint of `host:port`, an IPv6 literal in brackets (the rule of `net.url_host`,
+    which the transport, below `net` in the layering, cannot import)."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{port}"
