@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -213,9 +214,15 @@ def test_non_finite_and_mistyped_tensors_are_refused_model_unchanged(server):
             nan = torch.zeros(shape)
             nan[0, 0] = float("nan")
             inf = torch.full(shape, float("inf"))
+            # a whole model's bucket, one tensor in its middle broken: summed whole first, the
+            # engine still names the tensor
+            whole = [(n, p.detach().clone()) for n, p in good.named_parameters()]
+            middle = whole[len(whole) // 2][0]
+            whole[len(whole) // 2][1].view(-1)[-1] = float("nan")
             bad = [
                 ([(name, nan)], None, "non-finite values .*lm_head.weight"),
                 ([(name, inf)], "flattened_bucket", "non-finite values .*lm_head.weight"),
+                (whole, "flattened_bucket", f"non-finite values .*'{re.escape(middle)}'"),
                 ([(name, torch.zeros(shape, dtype=torch.int64))], None, "dtype mismatch for "
                  "'lm_head.weight': sent int64, model has float32"),
                 ([(name, torch.zeros(shape, dtype=torch.float16))], "flattened_bucket",

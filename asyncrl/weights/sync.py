@@ -268,11 +268,6 @@ class WeightSender:
         tensors = [t for _, t in bucket]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        payload = tensors  # per-tensor broadcasts straight from the learner's own memory
-        if load_format == "flattened_bucket":
-            # Only after the previous bucket's broadcast returned: the staging buffer is free.
-            total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])[1]
-            payload = [flatten_bucket(tensors, self._staging.get(total, tensors[0].device))]
         calls = {
             asyncio.create_task(
                 e.update_weights(
@@ -288,8 +283,21 @@ class WeightSender:
             ): e
             for e in self.engines
         }
-        sent = in_daemon_thread(broadcast, payload, self._group)
+        sent = in_daemon_thread(self._broadcast_bucket, tensors, load_format == "flattened_bucket")
         await self._wait_all(calls, sent, self.timeout_s, f"bucket {index} ({len(names)} tensors)")
+        return sent.result()
+
+    def _broadcast_bucket(self, tensors: list[torch.Tensor], flattened: bool) -> int:
+        """Broadcast one bucket (packed into the staging buffer first when `flattened`, else
+        per tensor straight from the learner's own memory); its bytes. Runs in the broadcast's
+        own thread, so the engines' HTTP calls go out while it packs: the engines parse them
+        and join the broadcast meanwhile. The staging buffer is free: buckets go one at a
+        time, each after the previous one's broadcast returned."""
+        payload = tensors
+        if flattened:
+            total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])[1]
+            payload = [flatten_bucket(tensors, self._staging.get(total, tensors[0].device))]
+        broadcast(payload, self._group)
         return sum(tensor_nbytes(t) for t in payload)
 
     async def _wait_all(self, calls: dict, mine: asyncio.Future, timeout: float, what: str) -> None:

@@ -171,7 +171,8 @@ class WeightReceiver:
         with self.state:
             if epoch != self.epoch:
                 return False, abandoned(group_name)
-            return self._commit(names, tdtypes, tshapes, tensors, per_tensor, hold, version)
+            flat = payload[0] if flattened else None
+            return self._commit(names, tdtypes, tshapes, tensors, per_tensor, hold, version, flat)
 
     def _buffers(self, names, dtypes, shapes, total, per_tensor, flattened, device, hold) -> tuple:
         """(the bucket's tensors, what the broadcast fills). Per tensor: the parameters'
@@ -188,9 +189,10 @@ class WeightReceiver:
         tensors = unflatten_bucket(buf, dtypes, shapes)
         return tensors, [buf] if flattened else tensors
 
-    def _commit(self, names, dtypes, shapes, tensors, per_tensor, hold, version) -> tuple:
-        """A received bucket: checked, then held or loaded (with every bucket held before it)."""
-        problem = self._check(names, dtypes, shapes) or _non_finite(names, tensors)
+    def _commit(self, names, dtypes, shapes, tensors, per_tensor, hold, version, flat) -> tuple:
+        """A received bucket: checked, then held or loaded (with every bucket held before it).
+        `flat`: the flattened bucket's buffer (None: received per tensor)."""
+        problem = self._check(names, dtypes, shapes) or _non_finite(names, tensors, flat)
         if problem is None:
             self.deferred.append((names, tensors, per_tensor))
             if not hold:
@@ -322,12 +324,21 @@ def abandoned(group_name: str) -> str:
     return f"receive on group {group_name!r} abandoned: the sender destroyed the group"
 
 
-def _non_finite(names: list, tensors: list[torch.Tensor]) -> str | None:
+def _non_finite(
+    names: list, tensors: list[torch.Tensor], flat: torch.Tensor | None = None
+) -> str | None:
     """The first tensor holding NaN or inf: loading it would poison every later sample.
 
     One reduction per tensor, no mask allocated: a NaN or inf anywhere makes the fp32 sum
     non-finite. (Finite weights large enough to overflow that sum, |w| ~ 1e30, are refused
-    too: they would overflow the forward pass anyway.)"""
+    too: they would overflow the forward pass anyway.) A flattened bucket (`flat`, its uint8
+    buffer) of one floating dtype is summed whole first: one reduction instead of one per
+    tensor (on a small model's ~26 tensors, a third of a millisecond of every sync); a NaN
+    or inf anywhere makes that sum non-finite too, and only then is each tensor looked at,
+    to name the first bad one."""
+    if flat is not None and len({t.dtype for t in tensors}) == 1 and tensors[0].is_floating_point():
+        if bool(torch.isfinite(flat.view(tensors[0].dtype).sum(dtype=torch.float32))):
+            return None
     for name, t in zip(names, tensors):
         if t.is_floating_point() and not bool(torch.isfinite(t.sum(dtype=torch.float32))):
             return f"non-finite values (NaN or inf) in {name!r}"
