@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack, closing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
@@ -37,6 +37,10 @@ from asyncrl.rollout.evaluation import Evaluator
 from asyncrl.rollout.settings import RolloutSettings
 from asyncrl.threads import DriverThreads, ThreadBudget, ThreadShare
 from asyncrl.weights.lora_native import native_lora
+
+if TYPE_CHECKING:  # imported where the fleet is made: the engine layer loads only for a run
+    from asyncrl.engine.fleet import EngineFleet
+    from asyncrl.net import AsyncRunner
 
 
 def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
@@ -157,7 +161,6 @@ def start_rollout(
     thread budget (its engine shares go to the local hf engines)."""
     import secrets
 
-    from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner, advertised_host
     from asyncrl.orchestrator import GroupLimits, GroupPump, model_vocab_size
     from asyncrl.rollout.dispatch import Dispatcher
@@ -176,15 +179,7 @@ def start_rollout(
         ReceiverConfig(host=ro.transport_host, port=ro.transport_port, secret=transport_secret)
     )
     _stop_later(stack, receiver.close)  # PULL socket, read by the pump; thread asyncrl-zap
-    fleet = EngineFleet(
-        cfg.actor_infer, cfg.weight_sync, pause_mode(cfg), model_dir, Path(cfg.output_dir),
-        seed=cfg.seed, request_timeout_s=ro.request_timeout_s, runner=runner,
-        api_key=engine_api_key,
-        eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,
-        dedicated_eval=cfg.logging.eval_engine == "dedicated",  # rollout never routed to it
-        cluster=cfg.cluster,  # multi-node: engines are Ray actors placed on the nodes
-        lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir),
-    )  # fmt: skip
+    fleet = make_fleet(cfg, model_dir, runner, engine_api_key)
     _stop_later(stack, fleet.stop)
 
     def settings(index: int) -> RolloutSettings:
@@ -214,15 +209,37 @@ def start_rollout(
     pump = GroupPump(receiver, queue, limits)
     _stop_later(stack, pump.__enter__().__exit__)  # thread: receiver → replay queue
     _stop_later(stack, queue.close)  # first to run at exit: wakes a blocked take
-    if cfg.env is None:
-        heldout = prompts.heldout_items(cfg.logging.eval_size)
-    else:  # held-out env seeds, disjoint from the training ones; played as episodes
-        from asyncrl.rollout.evaluation import heldout_seed_items
-
-        heldout = heldout_seed_items(cfg.env, cfg.logging.eval_size)
-    evaluator = Evaluator(cfg.logging, cfg.max_steps, heldout, settings(0), fleet)
+    evaluator = Evaluator(
+        cfg.logging, cfg.max_steps, heldout_items(cfg, prompts), settings(0), fleet
+    )
     overlap = overlap_sync(cfg)
     return Orchestrator(ro, fleet, dispatcher, pump, queue, learner, overlap), evaluator
+
+
+def make_fleet(cfg: Config, model_dir: Path, runner: AsyncRunner, api_key: str) -> EngineFleet:
+    """The run's engines (not started): `api_key` is the run's engine secret, `runner` the
+    control plane's event loop."""
+    from asyncrl.engine.fleet import EngineFleet
+
+    return EngineFleet(
+        cfg.actor_infer, cfg.weight_sync, pause_mode(cfg), model_dir, Path(cfg.output_dir),
+        seed=cfg.seed, request_timeout_s=cfg.rollout.request_timeout_s, runner=runner,
+        api_key=api_key,
+        eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,
+        dedicated_eval=cfg.logging.eval_engine == "dedicated",  # rollout never routed to it
+        cluster=cfg.cluster,  # multi-node: engines are Ray actors placed on the nodes
+        lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir),
+    )  # fmt: skip
+
+
+def heldout_items(cfg: Config, prompts: PromptSource) -> list[Any]:
+    """What evaluation plays: held-out prompts, or held-out env seeds (disjoint from the
+    training ones; played as episodes) in an env run."""
+    if cfg.env is None:
+        return prompts.heldout_items(cfg.logging.eval_size)
+    from asyncrl.rollout.evaluation import heldout_seed_items
+
+    return heldout_seed_items(cfg.env, cfg.logging.eval_size)
 
 
 def overlap_sync(cfg: Config) -> bool:
