@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: How long a failed weight sync waits for the engine that broke it to be seen dead.
 ENGINE_EXIT_GRACE_S = 5.0
+#: The longest `open_admission` waits for the dispatcher to hand the new capacity out (a round
+#: takes about a millisecond; a bound, so a stalled dispatcher never holds up the loop).
+HAND_OUT_WAIT_S = 0.02
 
 
 def resolve_model(model_args: ModelArgs) -> Path:
@@ -286,13 +289,18 @@ class Orchestrator:
         return {**metrics, "sync/overlapped": 1.0}
 
     def open_admission(self, version: int) -> None:
-        """Admit prompts for learner `version` (the replay queue's budget). An overlapped sync
-        of that version opens it itself when it lands; a later version lands it first."""
+        """Admit prompts for learner `version` (the replay queue's budget); a new version's
+        prompts are handed out before it returns (the dispatcher's next round, waited for at
+        most HAND_OUT_WAIT_S). An overlapped sync of that version opens it itself when it
+        lands; a later version lands it first."""
         if self._pending is not None:
             if self._pending[1] == version:
                 return
             self.land_sync()
-        self.queue.set_version(version)
+        if version > self.queue.version:  # new capacity: its prompts go out first
+            self.dispatcher.open_capacity(lambda: self.queue.set_version(version), HAND_OUT_WAIT_S)
+        else:
+            self.queue.set_version(version)
 
     def _healed(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         try:

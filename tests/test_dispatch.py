@@ -34,6 +34,7 @@ class FakePool:
         self.open: dict[int, tuple[int, list[PromptItem]]] = {}
         self._done: stdqueue.Queue = stdqueue.Queue()
         self._lock = threading.Lock()
+        self.polls, self.waiting = 0, False  # polls begun; whether one is waiting now
 
     def size(self) -> int:
         return self.workers
@@ -62,6 +63,7 @@ class FakePool:
         self._done.put(None)  # ends a poll's wait; not a result
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
+        self.polls, self.waiting = self.polls + 1, True
         out = []
         try:
             out.append(self._done.get(timeout=timeout))
@@ -69,6 +71,8 @@ class FakePool:
                 out.append(self._done.get_nowait())
         except stdqueue.Empty:
             return [x for x in out if x is not None]
+        finally:
+            self.waiting = False
 
 
 def group_for(key: str, version: int) -> TrajectoryGroup:
@@ -352,6 +356,32 @@ def test_a_new_version_hands_out_prompts_at_once_not_at_the_polls_end():
         _wait_until(lambda: len(pool.submissions) == 2)
     assert pool.submissions[1] == (0, ["p2", "p3"])
     assert pool.wake not in replay.admission.on_version  # a stopped dispatcher unhooks
+
+
+def test_opened_capacity_is_handed_out_before_open_capacity_returns():
+    """The loop opens a new version's capacity through `open_capacity`, which returns only once
+    the dispatcher has run a round since (so the loop's own bookkeeping runs after the prompts
+    are on their way, not before them)."""
+    replay = ReplayQueue(ReplayConfig(max_staleness=0, rollout_batch_size=2))
+    next_prompt, _ = prompts()
+    pool = FakePool(1)
+    dispatcher = Dispatcher(pool, replay, next_prompt, max_inflight_per_worker=4)
+    dispatcher.poll_s = 600.0  # only a wake can end a poll within the test's deadline
+    with dispatcher:
+        _wait_until(lambda: len(pool.submissions) == 1)
+        ((handle, items),) = pool.started()
+        for it in items:
+            replay.put(group_for(it.key, 0))
+        _wait_until(lambda: pool.waiting)
+        polls = pool.polls
+        pool.finish(handle)  # ends that poll; the round after it ends in the next long poll
+        _wait_until(lambda: pool.polls > polls and pool.waiting)
+        assert replay.take(2, 0) is not None and replay.capacity() == 0
+        assert dispatcher.open_capacity(lambda: replay.set_version(1), timeout_s=30.0)
+        assert pool.submissions[1] == (0, ["p2", "p3"])  # handed out already: no waiting here
+        # nothing new to hand out: the wait ends at its bound, nothing else happens
+        assert not dispatcher.open_capacity(lambda: None, timeout_s=0.05)
+        assert len(pool.submissions) == 2
 
 
 def _wait_until(ready, deadline_s: float = 30.0) -> None:

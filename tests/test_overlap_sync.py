@@ -53,11 +53,28 @@ class Fleet:
         return True
 
 
+class Quiet:
+    """The dispatcher's and the pump's surface: nothing has gone wrong with them; new capacity
+    is opened (handing it out is `test_dispatch`'s)."""
+
+    last_error = None
+
+    def check(self) -> None:
+        pass
+
+    def diagnosis(self) -> str:
+        return ""
+
+    def open_capacity(self, opening, timeout_s: float) -> bool:
+        opening()
+        return True
+
+
 @pytest.fixture()
 def parts():
     queue = ReplayQueue(ReplayConfig(max_staleness=1, rollout_batch_size=2))
     fleet, learner = Fleet(), Learner()
-    rollout = Orchestrator(RolloutConfig(), fleet, None, None, queue, learner, overlap=True)
+    rollout = Orchestrator(RolloutConfig(), fleet, Quiet(), Quiet(), queue, learner, overlap=True)
     return rollout, fleet, learner, queue
 
 
@@ -106,24 +123,11 @@ def test_an_overlapped_sync_that_fails_heals_at_its_landing_and_opens_admission(
     assert queue.admission.budget() == 3 * 2  # version 1's, opened after the heal
 
 
-class Quiet:
-    """The dispatcher's and the pump's health surface: nothing has gone wrong with them."""
-
-    last_error = None
-
-    def check(self) -> None:
-        pass
-
-    def diagnosis(self) -> str:
-        return ""
-
-
 def test_a_failed_overlapped_sync_heals_while_the_loop_waits_for_a_batch(parts):
     """The engine died with a sync in flight: no group can come until the fleet heals, so the
     loop, waiting for its next batch, lands the failed sync (which heals) at once instead of
     waiting out `take_batch`'s deadline (the old loop healed only once a batch had come)."""
     rollout, fleet, learner, queue = parts
-    rollout.dispatcher = rollout.pump = Quiet()
     rollout.rollout = RolloutConfig(request_timeout_s=3.0)  # the deadline: 6 s
 
     def heal(source) -> bool:  # called at every wait: relaunches (once) what is dead

@@ -71,6 +71,8 @@ class Dispatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="asyncrl-dispatch", daemon=True)
         self.error: BaseException | None = None
+        self._rounds = 0  # dispatch rounds run (`open_capacity` waits for the next one)
+        self._round_done = threading.Condition()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Dispatcher:
@@ -94,9 +96,28 @@ class Dispatcher:
         try:
             while not self._stop.is_set() and self.error is None:
                 self.dispatch_once()
+                with self._round_done:
+                    self._rounds += 1
+                    self._round_done.notify_all()
                 self.reap(timeout=self.poll_s)
         except BaseException as e:  # surfaced to the training loop by `check`
             self.error = e
+
+    def open_capacity(self, opening: Callable[[], None], timeout_s: float) -> bool:
+        """Run `opening` (what gives admission new capacity: the learner's new version, which
+        wakes this thread) and wait, at most `timeout_s`, for this thread's next dispatch
+        round, so the new prompts are on their way before the caller goes on. Whether a round
+        ended in time (a round already under way when `opening` ran may end it without them:
+        they go out one round later, as without this wait; nothing is lost either way).
+
+        Why wait: the loop's thread shares the driver's core with this one and, going on, would
+        run its bookkeeping first, which delays the next generation, and the dispatch would
+        then preempt the next learner step instead."""
+        with self._round_done:
+            before = self._rounds
+        opening()
+        with self._round_done:
+            return self._round_done.wait_for(lambda: self._rounds > before, timeout_s)
 
     def check(self) -> None:
         """Raise what stopped the dispatcher: a permanent rollout error as itself (its message
