@@ -339,16 +339,9 @@ def test_prompts_carry_the_engines_synced_version_when_handed_out():
 def test_a_new_version_hands_out_prompts_at_once_not_at_the_polls_end():
     """The learner's new version opens capacity; the dispatcher, blocked in a long poll, is
     woken (`WorkerPool.wake`, via `Admission.on_version`) and hands the prompts out at once."""
-    replay = ReplayQueue(ReplayConfig(max_staleness=0, rollout_batch_size=2))
-    next_prompt, _ = prompts()
-    pool = FakePool(1)
-    dispatcher = Dispatcher(pool, replay, next_prompt, max_inflight_per_worker=4)
-    dispatcher.poll_s = 600.0  # only a wake can end a poll within the test's deadline
+    replay, pool, dispatcher = _long_polling_dispatcher()
     with dispatcher:
-        _wait_until(lambda: len(pool.submissions) == 1)  # version 0's batch: 2 prompts
-        ((handle, items),) = pool.started()
-        for it in items:
-            replay.put(group_for(it.key, 0))
+        handle = _first_batch_delivered(replay, pool)
         pool.finish(handle)  # ends the poll; then the loop blocks in the next 600 s one
         _wait_until(lambda: not dispatcher.handles)
         assert replay.take(2, 0) is not None and replay.capacity() == 0
@@ -362,16 +355,9 @@ def test_opened_capacity_is_handed_out_before_open_capacity_returns():
     """The loop opens a new version's capacity through `open_capacity`, which returns only once
     the dispatcher has run a round since (so the loop's own bookkeeping runs after the prompts
     are on their way, not before them)."""
-    replay = ReplayQueue(ReplayConfig(max_staleness=0, rollout_batch_size=2))
-    next_prompt, _ = prompts()
-    pool = FakePool(1)
-    dispatcher = Dispatcher(pool, replay, next_prompt, max_inflight_per_worker=4)
-    dispatcher.poll_s = 600.0  # only a wake can end a poll within the test's deadline
+    replay, pool, dispatcher = _long_polling_dispatcher()
     with dispatcher:
-        _wait_until(lambda: len(pool.submissions) == 1)
-        ((handle, items),) = pool.started()
-        for it in items:
-            replay.put(group_for(it.key, 0))
+        handle = _first_batch_delivered(replay, pool)
         _wait_until(lambda: pool.waiting)
         polls = pool.polls
         pool.finish(handle)  # ends that poll; the round after it ends in the next long poll
@@ -382,6 +368,26 @@ def test_opened_capacity_is_handed_out_before_open_capacity_returns():
         # nothing new to hand out: the wait ends at its bound, nothing else happens
         assert not dispatcher.open_capacity(lambda: None, timeout_s=0.05)
         assert len(pool.submissions) == 2
+
+
+def _long_polling_dispatcher() -> tuple[ReplayQueue, FakePool, Dispatcher]:
+    """A synchronous run's dispatcher (batches of 2) over one worker, whose polls only a wake
+    can end within a test's deadline (600 s)."""
+    replay = ReplayQueue(ReplayConfig(max_staleness=0, rollout_batch_size=2))
+    next_prompt, _ = prompts()
+    pool = FakePool(1)
+    dispatcher = Dispatcher(pool, replay, next_prompt, max_inflight_per_worker=4)
+    dispatcher.poll_s = 600.0
+    return replay, pool, dispatcher
+
+
+def _first_batch_delivered(replay: ReplayQueue, pool: FakePool) -> int:
+    """Version 0's batch (2 prompts) handed out and its groups delivered; its handle."""
+    _wait_until(lambda: len(pool.submissions) == 1)
+    ((handle, items),) = pool.started()
+    for it in items:
+        replay.put(group_for(it.key, 0))
+    return handle
 
 
 def _wait_until(ready, deadline_s: float = 30.0) -> None:
