@@ -21,6 +21,7 @@ from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
 from asyncrl.config.async_checks import pause_mode
 from asyncrl.data.prompts import PromptSource
+from asyncrl.data.tokenizer import tokenizer_class_name
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.learner.placement import RankPlacement
 from asyncrl.learner.profiler import profile_step
@@ -182,10 +183,12 @@ def start_rollout(
     fleet = make_fleet(cfg, model_dir, runner, engine_api_key)
     _stop_later(stack, fleet.stop)
 
+    tokenizer_class = tokenizer_class_name(prompts.tokenizer)  # the workers skip AutoTokenizer
+
     def settings(index: int) -> RolloutSettings:
         urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
         made = rollout_settings(
-            cfg, model_dir, urls, receiver.port, transport_secret, fleet.api_key
+            cfg, model_dir, urls, receiver.port, transport_secret, fleet.api_key, tokenizer_class
         )
         if fleet.multinode:  # workers on other nodes reach the receiver at this node's address
             made = dataclasses.replace(made, transport_host=advertised_host(ro.transport_host))
@@ -266,15 +269,18 @@ def rollout_settings(
     transport_port: int = 0,
     transport_secret: bytes | None = None,
     engine_api_key: str | None = None,
+    tokenizer_class: str = "",
 ) -> RolloutSettings:
-    """A rollout worker's own sub-config: the run config's sections, passed whole, and the
-    run's secrets (the transport's secret, the engines' API key; None: none)."""
+    """A rollout worker's own sub-config: the run config's sections, passed whole, the run's
+    secrets (the transport's secret, the engines' API key; None: none) and the tokenizer's
+    class as the driver resolved it ('': the worker resolves it)."""
     host = cfg.rollout.transport_host
     return RolloutSettings(
         engine_urls=engine_urls,
         transport_host="127.0.0.1" if host in ("0.0.0.0", "*") else host,
         transport_port=transport_port,
         tokenizer_path=str(model_dir),
+        tokenizer_class=tokenizer_class,
         generating=cfg.actor_infer.generating_args,
         rollout=cfg.rollout,
         algorithm=cfg.algorithm,

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.algo.advantages import AdvantageParams, batch_token_advantages
+from asyncrl.algo.advantages import batch_token_advantages
+from asyncrl.algo.group_advantages import AdvantageParams
 from asyncrl.algo.kl import (
     AdaptiveKLController,
     FixedKLController,

@@ -11,36 +11,24 @@ Every registered estimator has the signature
 ``fn(token_level_rewards, response_mask, params, group_ids=None, values=None)
 -> (advantages [B, T], returns [B, T])``.
 
-Where each estimator runs in the loop (`ESTIMATOR_STAGES`):
-
-- ``rollout`` (grpo, drgrpo, rloo): within one group: the rollout worker computes them.
-- ``batch`` (reinforce_plus_plus, reinforce_plus_plus_baseline): they whiten over every valid
-  token of the trained batch: the learner computes them, once per batch, before mini-batching.
-- ``critic`` (gae): the learner, with its critic's values of the trained batch
-  (`batch_token_advantages`); without values the estimator raises.
+Where each estimator runs in the loop (`group_advantages.ESTIMATOR_STAGES`): rollout-stage ones
+(grpo, drgrpo, rloo) within one group, in the rollout worker (`group_advantages`, numpy: the
+workers do not import torch); batch-stage ones over the trained batch, in the learner; gae with
+the critic's values (`batch_token_advantages`), without which it raises.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 
 from asyncrl.algo.agg import masked_whiten
+from asyncrl.algo.group_advantages import AdvantageParams, estimator_stage
 
 GroupIds = torch.Tensor | np.ndarray | Sequence[Hashable] | int
-
-
-@dataclass(frozen=True)
-class AdvantageParams:
-    gamma: float = 1.0
-    lam: float = 1.0
-    epsilon: float = 1e-6  # GRPO: std + epsilon in the denominator
-    norm_adv_by_std_in_grpo: bool = True  # False = Dr.GRPO
-    whiten_gae: bool = True  # verl whitens GAE advantages over the batch
 
 
 # ---------------------------------------------------------------- grouping
@@ -286,21 +274,9 @@ ADV_ESTIMATORS: dict[str, AdvantageFn] = {
 }
 
 
-#: Where the loop computes each estimator (see the module docstring).
-ESTIMATOR_STAGES: dict[str, str] = {
-    **dict.fromkeys(("grpo", "drgrpo", "rloo"), "rollout"),
-    **dict.fromkeys(("reinforce_plus_plus", "reinforce_plus_plus_baseline"), "batch"),
-    "gae": "critic",
-}
-
-
 def get_adv_estimator(name: str) -> AdvantageFn:
-    try:
-        return ADV_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown adv_estimator {name!r}; valid: {', '.join(sorted(ADV_ESTIMATORS))}"
-        ) from None
+    estimator_stage(name)  # the one error for an unknown name
+    return ADV_ESTIMATORS[name]
 
 
 def compute_advantages(
@@ -314,36 +290,6 @@ def compute_advantages(
     """Dispatch on ``adv_estimator``; returns [B, T] (advantages, returns)."""
     fn = get_adv_estimator(adv_estimator)
     return fn(token_level_rewards, response_mask, params or AdvantageParams(), group_ids, values)
-
-
-def estimator_stage(adv_estimator: str) -> str:
-    """``rollout``, ``batch`` or ``critic``: where the loop computes `adv_estimator`."""
-    get_adv_estimator(adv_estimator)  # the one error for an unknown name
-    return ESTIMATOR_STAGES[adv_estimator]
-
-
-def one_group_advantages(
-    adv_estimator: str, scores: np.ndarray, params: AdvantageParams | None = None
-) -> np.ndarray:
-    """A rollout-stage estimator (grpo, drgrpo, rloo) on ONE group's n scores, in numpy:
-    each response's advantage, as `compute_advantages` gives it (float32; equal to it within
-    float32 rounding, tests/test_advantages.py). The rollout worker computes one group at a
-    time; torch's per-op dispatch cost ~0.6 ms for a group of 8 there, on the cores the
-    engine and learner share, while these few numpy operations cost microseconds."""
-    if estimator_stage(adv_estimator) != "rollout":
-        raise ValueError(f"adv_estimator {adv_estimator!r} is not computed within one group")
-    p = params or AdvantageParams()
-    r = np.asarray(scores, dtype=np.float32).reshape(-1)
-    n = r.size
-    # group_stats: a singleton's baseline is 0 and its std 1
-    mean = np.float32(r.mean()) if n > 1 else np.float32(0.0)
-    if adv_estimator == "rloo":
-        return (np.float32(n / (n - 1)) * (r - mean)) if n > 1 else r.copy()
-    adv = r - mean
-    if adv_estimator == "grpo" and p.norm_adv_by_std_in_grpo:
-        std = np.float32(r.std(ddof=1)) if n > 1 else np.float32(1.0)
-        adv = adv / (std + np.float32(p.epsilon))
-    return adv.astype(np.float32, copy=False)
 
 
 @torch.no_grad()

@@ -10,28 +10,27 @@ replay queue's filter `replay/filters.py:dapo_zero_variance`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
-import torch
+import numpy as np
 
 
 def overlong_penalty(
-    response_lengths: torch.Tensor | Sequence[int],
-    max_len: int,
-    buffer_len: int,
-    penalty_factor: float = 1.0,
-) -> torch.Tensor:
+    response_lengths: Any, max_len: int, buffer_len: int, penalty_factor: float = 1.0
+) -> np.ndarray:
     """DAPO soft overlong punishment, added to the reward.
 
     0 for ``len <= max_len - buffer_len``, then linear down to ``-penalty_factor`` at ``max_len``
-    (and held there beyond it). Returns float32 [B].
+    (and held there beyond it). `response_lengths`: anything numpy reads as numbers (a list, an
+    array, a CPU tensor). Returns float32 [B]. numpy: the rollout worker, which adds it, does
+    not import torch.
     """
     if buffer_len <= 0 or buffer_len > max_len:
         raise ValueError(
             f"overlong buffer_len must be in (0, max_len={max_len}], got {buffer_len} "
             "(disable the overlong penalty instead of a zero buffer)"
         )
-    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
+    lengths = np.asarray(response_lengths, dtype=np.float64)
     exceed = lengths - (max_len - buffer_len)
-    penalty = -torch.clamp(exceed / buffer_len, min=0.0, max=1.0) * penalty_factor
-    return penalty.to(torch.float32)
+    penalty = -np.clip(exceed / buffer_len, 0.0, 1.0) * penalty_factor
+    return penalty.astype(np.float32)

@@ -10,7 +10,8 @@
   turn of the same seed); each turn's generated tokens get the value of their turn.
 
 Failed episodes (an environment fault) carry no signal: they are left out of every statistic and
-get advantage 0. Pure functions: numbers in, arrays out.
+get advantage 0. Pure functions: numbers in, arrays out (numpy: the rollout workers that call
+them never import torch).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
-from asyncrl.algo.advantages import grpo_advantages, rloo_advantages
+from asyncrl.algo.group_advantages import AdvantageParams, one_group_advantages
 
 RETURN_MODES = ("sum", "final")
 ADVANTAGE_MODES = ("trajectory", "per_step")
@@ -51,13 +51,8 @@ def normalise(values: np.ndarray, estimator: str, norm_by_std: bool = True) -> n
         raise ValueError(f"episode advantages need one of {EPISODE_ESTIMATORS}, got {estimator!r}")
     if values.size == 0:
         return values.astype(np.float32)
-    scores = torch.as_tensor(values, dtype=torch.float64)
-    ids = [0] * values.size
-    if estimator == "rloo":
-        adv = rloo_advantages(scores, ids)
-    else:
-        adv = grpo_advantages(scores, ids, norm_by_std=norm_by_std and estimator == "grpo")
-    return adv.numpy().astype(np.float32)
+    params = AdvantageParams(norm_adv_by_std_in_grpo=norm_by_std)
+    return one_group_advantages(estimator, values, params)
 
 
 def trajectory_advantages(

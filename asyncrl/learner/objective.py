@@ -15,12 +15,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.algo.advantages import (
-    AdvantageParams,
-    batch_token_advantages,
-    estimator_stage,
-    outcome_token_rewards,
-)
+from asyncrl.algo.advantages import batch_token_advantages, outcome_token_rewards
+from asyncrl.algo.group_advantages import AdvantageParams, estimator_stage
 from asyncrl.algo.importance import (
     RolloutIS,
     compute_rollout_importance_weights,

@@ -67,6 +67,7 @@ from asyncrl.algo.episode import episode_return
 from asyncrl.config.schema import EnvConfig, LoggingConfig
 from asyncrl.data.env_prompts import heldout_seed_rows
 from asyncrl.data.prompts import PromptItem
+from asyncrl.data.tokenizer import load_tokenizer
 from asyncrl.engine.client import EngineClient, EngineError
 from asyncrl.engine.fleet import EngineFleet
 from asyncrl.metrics.keys import ACCURACY, EVAL_GREEDY, EVAL_SAMPLED
@@ -111,15 +112,13 @@ class Evaluator:
         settings: RolloutSettings,
         fleet: EngineFleet,
     ) -> None:
-        from transformers import AutoTokenizer
-
         from asyncrl.rewards import get_reward_fn
 
         self.interval, self.max_steps, self.items = logging.eval_interval, max_steps, items
         # Rollout requests carry no priority (the engines' default, 0): 0 here sends none.
         self.priority = logging.eval_priority or None
         self.s, self.fleet = settings, fleet
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+        self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
         self.reward = get_reward_fn(settings.rollout.reward_fn)
         self.counters: Counter[str] = Counter()
         self.in_flight: list[_InFlight] = []

@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.algo.advantages import estimator_stage
 from asyncrl.algo.episode import episode_return, per_step_advantages, trajectory_advantages
+from asyncrl.algo.group_advantages import estimator_stage
 from asyncrl.data.prompts import PromptItem
+from asyncrl.data.tokenizer import load_tokenizer
 from asyncrl.envs.base import as_messages, check_step
 from asyncrl.envs.registry import make_env, resolve_env
 from asyncrl.rollout.chat_tokens import TurnTemplate
@@ -151,8 +152,6 @@ class EpisodeBuilder:
     """Env seed → TrajectoryGroup of n concurrent episodes through the engines."""
 
     def __init__(self, settings: RolloutSettings) -> None:
-        from transformers import AutoTokenizer
-
         from asyncrl.engine.client import EngineClient
 
         if settings.env is None:
@@ -165,7 +164,7 @@ class EpisodeBuilder:
             for u in settings.engine_urls
         ]
         self._next_engine = itertools.cycle(range(len(self.clients)))
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+        self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
         self.template = TurnTemplate(self.tokenizer, self.env_cfg.template)
         self.turn_tokens = self.env_cfg.max_tokens_per_turn or settings.max_new_tokens
         self.max_total = settings.response_length or self.turn_tokens * self.env_cfg.max_turns

@@ -28,6 +28,10 @@ class RolloutSettings:
     """The receiver's port."""
     tokenizer_path: str
     """HF model directory whose tokenizer decodes responses for the reward."""
+    tokenizer_class: str = ""
+    """The transformers class AutoTokenizer picks for `tokenizer_path`, resolved once by the
+    driver (`data.tokenizer.tokenizer_class_name`): the worker loads it directly and so never
+    imports torch. '': resolve with AutoTokenizer."""
     generating: GeneratingArgs = field(default_factory=GeneratingArgs)
     """`actor_infer.generating_args`: sampling parameters."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.algo.advantages import AdvantageParams, estimator_stage, one_group_advantages
 from asyncrl.algo.dapo import overlong_penalty
+from asyncrl.algo.group_advantages import AdvantageParams, estimator_stage, one_group_advantages
 from asyncrl.data.prompts import PromptItem
+from asyncrl.data.tokenizer import load_tokenizer
 from asyncrl.rollout.settings import (
     PermanentRolloutError,
     RolloutSettings,
@@ -86,8 +87,6 @@ class GroupBuilder:
     """Prompt → scored TrajectoryGroup through the engines."""
 
     def __init__(self, settings: RolloutSettings) -> None:
-        from transformers import AutoTokenizer
-
         from asyncrl.engine.client import EngineClient
         from asyncrl.rewards import get_reward_fn
 
@@ -98,7 +97,7 @@ class GroupBuilder:
             for u in settings.engine_urls
         ]
         self._next_engine = itertools.cycle(range(len(self.clients)))
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+        self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
         self.reward_fn = get_reward_fn(settings.rollout.reward_fn)
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
@@ -167,10 +166,9 @@ class GroupBuilder:
     def _overlong(self, responses: list[dict[str, Any]]) -> np.ndarray:
         lengths = [len(r["response_ids"]) for r in responses]
         alg = self.s.algorithm
-        penalty = overlong_penalty(
+        return overlong_penalty(
             lengths, self.s.max_new_tokens, alg.overlong_buffer_len, alg.overlong_penalty_factor
         )
-        return penalty.numpy()
 
     def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Outcome advantages within the group (one value per response)."""
