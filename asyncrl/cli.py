@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +72,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(path, overrides)
     from asyncrl.run import run
 
-    with third_party_to_log(cfg.output_dir):
+    with third_party_to_log(cfg.output_dir), exit_on_sigterm():
         check_inputs(cfg)  # seconds now, rather than after the model build and the Ray start
         if args.overwrite:  # by keyword, and only when asked
             run(cfg, overwrite=True)
         else:
             run(cfg)
     return 0
+
+
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop, `timeout`, `docker stop`) ends the run as Ctrl-C does: by
+    an exception in the main thread, so every process and thread the run started is stopped in
+    order and the metrics written so far are kept (exit status 143). Ray set the same handler
+    when it was started from the main thread; the run starts it on a thread of its own."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def check_inputs(cfg: Any) -> None:

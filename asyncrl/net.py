@@ -13,6 +13,7 @@ import functools
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -93,6 +94,17 @@ def init_ray(address: str | None = None) -> None:
     Loopback keeps other machines out, not other local processes: those meet Ray's token
     (`~/.ray/auth_token`, required by default for a local cluster since Ray 2.52; older Ray
     has none). A warning says so if Ray's node still ends up on another address."""
+    with _RAY_INIT_LOCK:
+        _init_ray(address)
+
+
+# Ray is one per process, and a run may start it from two threads at once (the rollout
+# workers' start thread, a multi-rank learner's construction): the second waits, then finds it
+# up. Process-wide state, so a process-wide lock.
+_RAY_INIT_LOCK = threading.Lock()
+
+
+def _init_ray(address: str | None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         os.environ.setdefault(RAY_CLUSTER_SWITCH, "0")  # inherited by Ray's processes
@@ -127,6 +139,19 @@ def init_ray(address: str | None = None) -> None:
     node_ip = ray.util.get_node_ip_address()
     if node_ip != "127.0.0.1":
         log.warning("Ray's local node is on %s: its servers listen beyond loopback", node_ip)
+
+
+def reclaim_sigterm() -> None:
+    """Give SIGTERM back to the handler Python has on record (the CLI's: a clean unwind).
+    Ray's core worker installs its own for it when Ray starts (print a stack trace, abort);
+    started on the main thread, Ray then reinstates a Python handler, started on another it
+    cannot. Call from the main thread once Ray is up; elsewhere a no-op (only the main thread
+    may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None:  # None: a handler set outside Python, left alone
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _on_a_lasting_thread(start: Callable[[], object]) -> None:

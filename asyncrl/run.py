@@ -5,23 +5,20 @@ queue's admission capacity) and push groups over ZMQ into the queue; this loop t
 no staler than the bound, updates the policy, broadcasts the weights and opens capacity for the
 next version. With max_staleness 0 the capacity rule admits exactly one batch per version, and
 generation for version v+1 starts only after the weights of v+1 reach the engines.
-`start_rollout` lists every thread and process a run starts, in order.
+`startup.py` starts every thread and process of the rollout side, in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from contextlib import ExitStack, closing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
-from asyncrl.config.async_checks import pause_mode
 from asyncrl.data.prompts import PromptSource
-from asyncrl.data.tokenizer import tokenizer_class_name
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.learner.placement import RankPlacement
 from asyncrl.learner.profiler import profile_step
@@ -30,18 +27,13 @@ from asyncrl.metrics.batch import BatchMetrics, TrainedGroupLog
 from asyncrl.metrics.collapse import CollapseWatch
 from asyncrl.metrics.deferred import DeferredRows
 from asyncrl.metrics.rundir import claim_output_dir, roll_back
-from asyncrl.orchestrator import Orchestrator, resolve_model
+from asyncrl.orchestrator import resolve_model
 from asyncrl.preflight import check_machine
 from asyncrl.replay.filters import dapo_zero_variance
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
 from asyncrl.rollout.evaluation import Evaluator
-from asyncrl.rollout.settings import RolloutSettings
+from asyncrl.startup import WorkerStart, launch_engines, start_rollout
 from asyncrl.threads import DriverThreads, ThreadBudget, ThreadShare
-from asyncrl.weights.lora_native import native_lora
-
-if TYPE_CHECKING:  # imported where the fleet is made: the engine layer loads only for a run
-    from asyncrl.engine.fleet import EngineFleet
-    from asyncrl.net import AsyncRunner
 
 
 def run(cfg: Config, overwrite: bool = False) -> dict[str, Any]:
@@ -65,24 +57,20 @@ def train(
     found = claim_output_dir(out, ckpt, cfg.actor.checkpoint, overwrite)  # before any start
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(cfg.actor_train.model_args)
-    plan = derive_plan(cfg)
-    prompts = PromptSource(cfg, model_dir)
-    learner = make_learner(
-        cfg.actor_train.strategy_args.strategy_name, world_size=plan.world_size,
-        model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
-        temperature=cfg.actor_infer.generating_args.temperature,
-        total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
-        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg),
-    )  # fmt: skip
-    queue = make_queue(cfg)
-    step = resume(found, ckpt, cfg, learner, queue, prompts)
-    logger = MetricsLogger(
-        out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=found is not None
-    )
-    audit, batch_metrics, watch = TrainedGroupLog(out), BatchMetrics(), CollapseWatch()
-    rows = DeferredRows(logger)  # a step's row waits for its evaluation (off the loop)
-    with logger, closing(learner), ExitStack() as stack:
-        rollout, evaluator = start_rollout(stack, cfg, model_dir, queue, prompts, learner, budget)
+    # Exits in reverse: the rollout side, the logger (summary), the learner, the engines.
+    with ExitStack() as stack:
+        engines = launch_engines(stack, cfg, model_dir, budget)  # they load as the learner does
+        prompts = PromptSource(cfg, model_dir)
+        workers = WorkerStart(stack, cfg, model_dir, engines, prompts.tokenizer)  # likewise
+        learner = stack.enter_context(closing(build_learner(cfg, model_dir)))
+        queue = make_queue(cfg)
+        step = resume(found, ckpt, cfg, learner, queue, prompts)
+        logger = stack.enter_context(MetricsLogger(
+            out, cfg.logging, to_dict(cfg), max_steps=cfg.max_steps, append=found is not None
+        ))  # fmt: skip
+        audit, batch_metrics, watch = TrainedGroupLog(out), BatchMetrics(), CollapseWatch()
+        rows = DeferredRows(logger)  # a step's row waits for its evaluation (off the loop)
+        rollout, evaluator = start_rollout(stack, cfg, queue, prompts, learner, engines, workers)
         pin_learner(driver, learner, budget)  # now: what started before is not pinned with it
         begun = step  # this process's first step (a resumed run's too) reports the start-up
         stack.callback(rows.flush, ())  # on the way out, a row still held goes without eval
@@ -148,161 +136,16 @@ def land(rows: DeferredRows, evaluator: Evaluator, drain: bool = False) -> None:
     rows.flush(evaluator.in_flight_steps())
 
 
-def start_rollout(
-    stack: ExitStack,
-    cfg: Config,
-    model_dir: Path,
-    queue: ReplayQueue,
-    prompts: PromptSource,
-    learner: Learner,
-    budget: ThreadBudget | None = None,
-) -> tuple[Orchestrator, Evaluator]:
-    """Every thread and process of the rollout side, in start order; `stack` stops them in
-    reverse (a stop that fails is reported and the others still run). `budget`: the run's
-    thread budget (its engine shares go to the local hf engines)."""
-    import secrets
-
-    from asyncrl.net import AsyncRunner, advertised_host
-    from asyncrl.orchestrator import GroupLimits, GroupPump, model_vocab_size
-    from asyncrl.rollout.dispatch import Dispatcher
-    from asyncrl.rollout.ray_pool import RayWorkerPool
-    from asyncrl.transport.zmq import Receiver, ReceiverConfig
-
-    ro = cfg.rollout
-    # The run's secrets, one per purpose: the engine key may show on an engine's command line
-    # (SGLang's --api-key), and must not let its reader sign groups. Passed as arguments
-    # (Ray does not log actor arguments), never printed.
-    transport_secret, engine_api_key = secrets.token_bytes(32), secrets.token_hex(32)
-    runner = AsyncRunner()  # thread: the control plane's event loop (health, sync, eval)
-    _stop_later(stack, runner.close)
-    # Only connections that prove the secret are read: PLAIN on loopback, CURVE elsewhere.
-    receiver = Receiver(
-        ReceiverConfig(host=ro.transport_host, port=ro.transport_port, secret=transport_secret)
-    )
-    _stop_later(stack, receiver.close)  # PULL socket, read by the pump; thread asyncrl-zap
-    fleet = make_fleet(cfg, model_dir, runner, engine_api_key)
-    _stop_later(stack, fleet.stop)
-
-    tokenizer_class = tokenizer_class_name(prompts.tokenizer)  # the workers skip AutoTokenizer
-
-    def settings(index: int) -> RolloutSettings:
-        urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
-        made = rollout_settings(
-            cfg, model_dir, urls, receiver.port, transport_secret, fleet.api_key, tokenizer_class
-        )
-        if fleet.multinode:  # workers on other nodes reach the receiver at this node's address
-            made = dataclasses.replace(made, transport_host=advertised_host(ro.transport_host))
-        return made
-
-    def start_workers() -> RayWorkerPool:  # processes: Ray actors, the rollout workers
-        address = cfg.cluster.address.strip() or None  # multi-node: each beside its engine
-        pool = RayWorkerPool(settings, ro.num_actors, fleet.worker_options, address)
-        _stop_later(stack, pool.close)
-        return pool
-
-    # processes: engine servers (+ router), loading while Ray and the rollout workers start
-    # (they need the engines' URLs, not the engines); then the learner's weights on each.
-    shares = budget.engines if budget is not None else ()
-    pool = fleet.start(learner, meanwhile=start_workers, threads=shares)
-    dispatcher = Dispatcher(
-        pool, queue, prompts.next_item, ro.max_inflight_prompts, lambda: fleet.synced_version
-    )
-    _stop_later(stack, dispatcher.start().stop)  # thread: prompts → rollout workers
-    limits = GroupLimits(model_vocab_size(model_dir), lambda: learner.version)
-    pump = GroupPump(receiver, queue, limits)
-    _stop_later(stack, pump.__enter__().__exit__)  # thread: receiver → replay queue
-    _stop_later(stack, queue.close)  # first to run at exit: wakes a blocked take
-    evaluator = Evaluator(
-        cfg.logging, cfg.max_steps, heldout_items(cfg, prompts), settings(0), fleet
-    )
-    overlap = overlap_sync(cfg)
-    return Orchestrator(ro, fleet, dispatcher, pump, queue, learner, overlap), evaluator
-
-
-def make_fleet(cfg: Config, model_dir: Path, runner: AsyncRunner, api_key: str) -> EngineFleet:
-    """The run's engines (not started): `api_key` is the run's engine secret, `runner` the
-    control plane's event loop."""
-    from asyncrl.engine.fleet import EngineFleet
-
-    return EngineFleet(
-        cfg.actor_infer, cfg.weight_sync, pause_mode(cfg), model_dir, Path(cfg.output_dir),
-        seed=cfg.seed, request_timeout_s=cfg.rollout.request_timeout_s, runner=runner,
-        api_key=api_key,
-        eval_priority=cfg.logging.eval_priority if cfg.logging.eval_interval > 0 else None,
-        dedicated_eval=cfg.logging.eval_engine == "dedicated",  # rollout never routed to it
-        cluster=cfg.cluster,  # multi-node: engines are Ray actors placed on the nodes
-        lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir),
+def build_learner(cfg: Config, model_dir: Path) -> Learner:
+    """The run's learner (`actor_train.strategy_args.strategy_name`), before any resume."""
+    plan = derive_plan(cfg)
+    return make_learner(
+        cfg.actor_train.strategy_args.strategy_name, world_size=plan.world_size,
+        model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
+        temperature=cfg.actor_infer.generating_args.temperature,
+        total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
+        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg),
     )  # fmt: skip
-
-
-def heldout_items(cfg: Config, prompts: PromptSource) -> list[Any]:
-    """What evaluation plays: held-out prompts, or held-out env seeds (disjoint from the
-    training ones; played as episodes) in an env run."""
-    if cfg.env is None:
-        return prompts.heldout_items(cfg.logging.eval_size)
-    from asyncrl.rollout.evaluation import heldout_seed_items
-
-    return heldout_seed_items(cfg.env, cfg.logging.eval_size)
-
-
-def overlap_sync(cfg: Config) -> bool:
-    """`weight_sync.overlap` for this run: auto overlaps for a one-process torch learner on
-    the CPU (the weights' copy is host memory) at `max_staleness` >= 2, unless `stale_policy:
-    wait`. At max_staleness 1 a version's prompts can start only once its sync lands, so an
-    overlapped sync leaves the engines less time for the next batch (measured on the CPU
-    default: 51-54 ms a step against 47-49 waiting for every sync; at 2: 49 against 58)."""
-    from asyncrl.device import detect_device, worker_device
-
-    mode, train = cfg.weight_sync.overlap, cfg.actor_train
-    if mode != "auto":
-        return mode == "always"
-    where = worker_device(list(train.device_mapping), detect_device().kind)
-    torch_learner = train.strategy_args.strategy_name == "fsdp2_train"
-    one = derive_plan(cfg).world_size == 1 and torch_learner and where == "cpu"
-    return one and cfg.async_.max_staleness >= 2 and cfg.async_.stale_policy != "wait"
-
-
-def rollout_settings(
-    cfg: Config,
-    model_dir: Path,
-    engine_urls: list[str],
-    transport_port: int = 0,
-    transport_secret: bytes | None = None,
-    engine_api_key: str | None = None,
-    tokenizer_class: str = "",
-) -> RolloutSettings:
-    """A rollout worker's own sub-config: the run config's sections, passed whole, the run's
-    secrets (the transport's secret, the engines' API key; None: none) and the tokenizer's
-    class as the driver resolved it ('': the worker resolves it)."""
-    host = cfg.rollout.transport_host
-    return RolloutSettings(
-        engine_urls=engine_urls,
-        transport_host="127.0.0.1" if host in ("0.0.0.0", "*") else host,
-        transport_port=transport_port,
-        tokenizer_path=str(model_dir),
-        tokenizer_class=tokenizer_class,
-        generating=cfg.actor_infer.generating_args,
-        rollout=cfg.rollout,
-        algorithm=cfg.algorithm,
-        env=cfg.env,
-        n=cfg.num_return_sequences_in_group,
-        response_length=cfg.response_length,
-        seed=cfg.seed,
-        transport_secret=transport_secret,
-        engine_api_key=engine_api_key,
-        engine_lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir)
-        is not None,
-    )
-
-
-def _stop_later(stack: ExitStack, stop: Callable[[], object]) -> None:
-    def best_effort(*_: object) -> None:
-        try:
-            stop()
-        except Exception as e:  # noqa: BLE001 - shutdown is best effort, report and go on
-            print(f"asyncrl: shutdown: {type(e).__name__}: {e}")
-
-    stack.callback(best_effort)
 
 
 def ckpt_due(cfg: Config, step: int) -> bool:

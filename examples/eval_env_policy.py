@@ -19,7 +19,7 @@ from asyncrl.data.prompts import PromptItem
 from asyncrl.engine.hf.launch import launch_hf_server
 from asyncrl.metrics.episodes import episode_metrics
 from asyncrl.rollout.multiturn import EpisodeBuilder
-from asyncrl.run import rollout_settings
+from asyncrl.startup import rollout_settings
 
 
 async def evaluate(builder: EpisodeBuilder, seeds: list[int]) -> dict[str, float]:

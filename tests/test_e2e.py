@@ -11,27 +11,29 @@ from asyncrl.run import run
 
 
 def shrunk(model_dir, out, *extra):
-    return load_config(
-        None,
-        [
-            f"actor_train.model_args.model_name_or_path={model_dir}",
-            f"output_dir={out}",
-            "max_steps=4",
-            "rollout_batch_size=2",
-            "num_return_sequences_in_group=3",
-            "response_length=6",
-            "rollout.num_actors=2",
-            "rollout.max_inflight_prompts=2",
-            "logging.eval_size=8",
-            "rollout.reward_fn=tests.e2e_rewards:digit_fraction",
-            "logging.eval_interval=2",
-            "logging.console=false",
-            "logging.tensorboard=false",
-            "actor_train.training_args.learning_rate=1e-3",
-            "actor_train.model_args.disable_gradient_checkpointing=true",
-            *extra,
-        ],
-    )
+    return load_config(None, shrunk_overrides(model_dir, out, *extra))
+
+
+def shrunk_overrides(model_dir, out, *extra):
+    """The shrunk default as `key=value` overrides (a CLI run takes the same)."""
+    return [
+        f"actor_train.model_args.model_name_or_path={model_dir}",
+        f"output_dir={out}",
+        "max_steps=4",
+        "rollout_batch_size=2",
+        "num_return_sequences_in_group=3",
+        "response_length=6",
+        "rollout.num_actors=2",
+        "rollout.max_inflight_prompts=2",
+        "logging.eval_size=8",
+        "rollout.reward_fn=tests.e2e_rewards:digit_fraction",
+        "logging.eval_interval=2",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "actor_train.training_args.learning_rate=1e-3",
+        "actor_train.model_args.disable_gradient_checkpointing=true",
+        *extra,
+    ]
 
 
 def read_rows(out):
@@ -69,7 +71,7 @@ def _reference_run(cfg, model_dir, steps):
     from asyncrl.engine.hf.launch import launch_hf_server
     from asyncrl.learner.torch.learner import TorchLearner
     from asyncrl.rollout.single_turn import GroupBuilder
-    from asyncrl.run import rollout_settings
+    from asyncrl.startup import rollout_settings
     from asyncrl.weights.sync import WeightSender
 
     gen = cfg.actor_infer.generating_args

@@ -271,7 +271,7 @@ def test_unplaced_workers_stay_on_the_driver_node(tiny_model, tmp_path, two_node
 
     from asyncrl.net import init_ray
     from asyncrl.rollout.ray_pool import RayWorkerPool
-    from asyncrl.run import rollout_settings
+    from asyncrl.startup import rollout_settings
     from asyncrl.transport.zmq import Receiver, ReceiverConfig
 
     init_ray(two_nodes.address)

@@ -12,7 +12,7 @@ from asyncrl.config import load_config
 from asyncrl.config.schema import RolloutConfig, WeightSyncConfig
 from asyncrl.orchestrator import Orchestrator
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
-from asyncrl.run import overlap_sync
+from asyncrl.startup import overlap_sync
 from asyncrl.weights.sync import WeightSyncError
 from tests.test_replay_queue import group, ids
 

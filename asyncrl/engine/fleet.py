@@ -113,29 +113,40 @@ class EngineFleet:
         )
 
     # -- processes ---------------------------------------------------------------------------
+    def spawn(self, threads: Sequence[ThreadShare] = ()) -> None:
+        """Start the engine processes without waiting for them, where the launcher can
+        (`spawn`/`wait_ready`: hf_infer), so that their models load while the caller goes on
+        (the run builds its learner meanwhile); `start` then waits for them. Other launchers
+        start nothing here: their `launch` returns a ready engine, and an SGLang engine sizes
+        its memory pool by what is free when it starts, so it still starts after the learner.
+        `threads`: each local hf engine's share of the run's thread budget. Call it from the
+        thread that calls `start`: an engine dies with the thread that started it
+        (engine/process.py), and the run's main thread outlives its engines."""
+        if threads and hasattr(self.launcher, "threads"):
+            self.launcher.threads = threads  # kept: a relaunched engine gets the same share
+        spawn = getattr(self.launcher, "spawn", None)
+        if spawn is not None and not self.handles:
+            self.handles = [spawn(i) for i in range(self.num_engines)]
+
     def start(
         self,
         source: WeightSource,
         meanwhile: Callable[[], Any] | None = None,
         threads: Sequence[ThreadShare] = (),
     ) -> Any:
-        """Launch every engine, form the update group and push `source`'s weights; returns
-        what `meanwhile` returned. `meanwhile` runs while the engines load, once their URLs
-        are known (the run starts its rollout workers there: they need the URLs, not the
-        engines). `threads`: each local hf engine's share of the run's thread budget.
+        """Launch every engine (unless `spawn` did), form the update group and push `source`'s
+        weights; returns what `meanwhile` returned. `meanwhile` runs while the engines load,
+        once their URLs are known (the run starts its rollout workers there: they need the
+        URLs, not the engines). `threads`: as `spawn`'s.
 
         A launcher with `spawn`/`wait_ready` (hf_infer) starts every engine before waiting
         for any, so the models load at once and beside `meanwhile`; the others' `launch`
         returns a ready engine, and `meanwhile` runs after the last one."""
-        if threads and hasattr(self.launcher, "threads"):
-            self.launcher.threads = threads  # kept: a relaunched engine gets the same share
-        spawn = getattr(self.launcher, "spawn", None)
-        launch = spawn or self.launcher.launch
-        # From the calling thread, never a helper: an engine dies with the thread that
-        # started it (engine/process.py), and the run's main thread outlives its engines.
-        self.handles = [launch(i) for i in range(self.num_engines)]
+        self.spawn(threads)
+        if not self.handles:  # a launcher without `spawn`: each `launch` waits for its engine
+            self.handles = [self.launcher.launch(i) for i in range(self.num_engines)]
         done = meanwhile() if meanwhile is not None else None
-        if spawn is not None:
+        if hasattr(self.launcher, "spawn"):  # spawned: wait for each now
             self.handles = [self.launcher.wait_ready(h) for h in self.handles]
         self.clients = [self._client(h.url) for h in self.handles]
         self._init_group()
