@@ -71,7 +71,7 @@ class WorkerStart:
 
         from asyncrl.transport.zmq import Receiver, ReceiverConfig
 
-        self.stack, self.cfg, self.model_dir, self.fleet = stack, cfg, model_dir, fleet
+        self.cfg, self.model_dir, self.fleet = cfg, model_dir, fleet
         ro = cfg.rollout
         # The stream's secret, apart from the engines' key (which may show on an engine's
         # command line: SGLang's --api-key) so that its reader cannot sign groups. Passed as
@@ -84,11 +84,12 @@ class WorkerStart:
         stop_later(stack, self.receiver.close)  # PULL socket, read by the pump; asyncrl-zap
         self.tokenizer_class = tokenizer_class_name(tokenizer)  # the workers skip AutoTokenizer
         self._started: cf.Future[RayWorkerPool] | None = None
+        self._pool: RayWorkerPool | None = None
+        stop_later(stack, self._close)
         if fleet.handles:  # spawned: their URLs are known now
             starter = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncrl-workers")
             self._started = starter.submit(self._start)
             starter.shutdown(wait=False)  # its one thread ends with the start
-            stop_later(stack, self._stop_started)
 
     def settings(self, index: int) -> RolloutSettings:
         """Rollout worker `index`'s sub-config (the evaluator's too: index 0)."""
@@ -110,23 +111,22 @@ class WorkerStart:
         return RayWorkerPool(self.settings, n, self.fleet.worker_options, address)
 
     def pool(self) -> RayWorkerPool:
-        """The started workers (raises what their start raised). From the main thread."""
+        """The workers, their start waited for (or run here); raises what it raised. From the
+        main thread."""
         from asyncrl.net import reclaim_sigterm
 
-        if self._started is not None:
-            pool = self._started.result()
-            reclaim_sigterm()  # Ray started on the workers' thread took SIGTERM over
-            return pool
-        pool = self._start()
-        stop_later(self.stack, pool.close)
-        return pool
+        if self._pool is None:
+            self._pool = self._started.result() if self._started is not None else self._start()
+        reclaim_sigterm()  # Ray, started on the workers' thread, took SIGTERM over
+        return self._pool
 
-    def _stop_started(self) -> None:
-        """At exit: the workers the thread started, once it is done (a start that failed
-        stopped its workers itself, and raised to `pool`'s caller)."""
-        assert self._started is not None
-        if self._started.exception() is None:
-            self._started.result().close()
+    def _close(self) -> None:
+        """At exit: the workers, once their start is done (a start that failed stopped its
+        workers itself, and raised to `pool`'s caller)."""
+        if self._started is not None and self._started.exception() is None:
+            self._pool = self._started.result()
+        if self._pool is not None:
+            self._pool.close()
 
 
 def start_rollout(
