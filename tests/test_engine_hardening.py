@@ -31,7 +31,7 @@ from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.engine.hf.launch import launch_hf_server
 from asyncrl.engine.hf.server import build_app
 from asyncrl.net import free_port
-from tests.helpers import random_qwen2
+from tests.helpers import random_qwen2, running
 
 KEY = "test-secret-0123456789"
 LONG = 2000  # tokens: a request that is still running whatever the box's speed (context 2048)
@@ -335,14 +335,6 @@ sl.wait_healthy(sg, "/health_generate", 90, "fake sglang")
 print(hf.proc.pid, sg.proc.pid, flush=True)
 sys.stdin.read()  # until killed
 """
-
-
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -15,7 +15,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from asyncrl.transport.zmq import (
     TransportTimeout,
 )
 from asyncrl.types import NOT_GENERATED, TrajectoryGroup
+from tests.helpers import descendants, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 VOCAB = 100
@@ -57,13 +57,6 @@ def group(key: str, version: int = 3, token: int = 7, prompt: int = 5, **meta) -
     ]  # fmt: skip
     metadata = {**group_metadata(key, {"answer": "2"}), **meta}
     return TrajectoryGroup.from_responses(key, [prompt, 6], responses, metadata)
-
-
-def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 class Wire:
@@ -341,21 +334,6 @@ ray.shutdown()
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
-def _descendants(root: int) -> set[int]:
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = {root}, {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= frontier
-    return found
-
-
 def _listening(pids: set[int]) -> list[str]:
     """Local addresses of the TCP sockets these processes listen on (from /proc)."""
     inodes = set()
@@ -388,8 +366,8 @@ def test_local_ray_listens_on_loopback_only():
     )  # fmt: skip
     try:
         actor_pid, niceness, node_ip = proc.stdout.readline().split()
-        addresses = _listening(_descendants(proc.pid))
-        assert int(actor_pid) in _descendants(proc.pid)
+        addresses = _listening(descendants(proc.pid))
+        assert int(actor_pid) in descendants(proc.pid)
     finally:
         try:
             proc.communicate("\n", timeout=60)

@@ -5,11 +5,9 @@ Ctrl-C does (every started process stopped, the rows so far kept)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,18 +15,10 @@ import pytest
 import asyncrl.run as run_module
 from asyncrl.engine.fleet import EngineFleet
 from asyncrl.startup import WorkerStart
+from tests.helpers import descendants, running, wait_for
 from tests.test_e2e import shrunk, shrunk_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _wait_for(condition, deadline_s: float, what: str) -> None:
-    """Poll `condition` (a cheap check of another process's state) until true or the deadline."""
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
@@ -64,32 +54,6 @@ def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
             ray.get(actor.pid.remote(), timeout=30)
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rfind(")") + 2] != "Z"
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_sigterm_ends_a_cli_run_in_order(tiny_model, tmp_path):
     overrides = shrunk_overrides(
@@ -101,16 +65,16 @@ def test_sigterm_ends_a_cli_run_in_order(tiny_model, tmp_path):
     )  # fmt: skip
     metrics = tmp_path / "metrics.jsonl"
     try:
-        _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 180,
-                  "the run's first trained steps")  # fmt: skip
-        started = _descendants(proc.pid)  # engine server, Ray's processes, rollout workers
+        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2,
+                 "the run's first trained steps", 180)  # fmt: skip
+        started = descendants(proc.pid) - {proc.pid}  # engine server, Ray's, rollout workers
         assert started
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    _wait_for(lambda: not any(_alive(p) for p in started), 60, "the run's processes to stop")
+    wait_for(lambda: not any(running(p) for p in started), "the run's processes to stop", 60)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert any(r.get("version") for r in rows)  # the trained steps' rows were kept
     assert (tmp_path / "summary.json").exists()  # the logger closed: the run unwound in order

@@ -26,6 +26,7 @@ from asyncrl.transport.zmq import (
     TransportTimeout,
 )
 from asyncrl.types import TrajectoryGroup
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,13 +250,6 @@ def test_closed_receiver_and_oversized_send() -> None:
         Receiver(ReceiverConfig(host="203.0.113.7"))  # not an address of this machine
 
 
-def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
 def test_authenticated_stream_costs_no_byte_and_refused_peers_are_never_read(curve, caplog):
     """Good senders' groups all arrive and carry nothing extra; a peer without the secret is
@@ -278,7 +272,7 @@ def test_authenticated_stream_costs_no_byte_and_refused_peers_are_never_read(cur
             for _ in range(5):  # queued on the attacker's side, pushed if it ever got in
                 _try_send(sock, [b"x"] * 20)
                 _try_send(sock, encode_group(make_group(9, 0)))
-            _wait_for(lambda n=before: rx.stats().unauthenticated > n, f"refusal of {what}")
+            wait_for(lambda n=before: rx.stats().unauthenticated > n, f"refusal of {what}")
             sock.close(linger=0)
         tx.send(make_group(0, 3))
         assert rx.get(timeout_s=10).metadata["seq"] == 3
@@ -334,7 +328,7 @@ def test_the_refusal_names_the_reason_and_the_peer(curve: bool, why: str) -> Non
         if curve:  # it knows the receiver's public key, not the run's client key
             sock.curve_serverkey = Credentials.from_secret(secret).server_public
         sock.connect(rx.address)
-        _wait_for(lambda: rx.stats().unauthenticated, "the refusal")
+        wait_for(lambda: rx.stats().unauthenticated, "the refusal")
         sock.close(linger=0)
         stats = rx.stats()
     assert stats.last_error == f"unauthenticated: credentials refused: {why} (peer 127.0.0.1)"
