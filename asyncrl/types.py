@@ -140,13 +140,16 @@ class TrajectoryGroup:
             raise RecordError(f"group {gid}: negative token id")
         if mask.size and _MAX(mask) > 1:
             raise RecordError(f"group {gid}: loss_mask must hold only 0 and 1")
-        if _lowest(versions) < NOT_GENERATED:
+        oldest = _lowest(versions)
+        if oldest < NOT_GENERATED:
             raise RecordError(f"group {gid}: version below NOT_GENERATED ({NOT_GENERATED})")
         # With versions >= NOT_GENERATED == -1 and mask in {0, 1} (both checked above),
         # `version - mask` is < -1 exactly where a masked-in token has no version: one
         # subtraction and one reduction instead of two comparisons and `any`. int32 arithmetic
-        # (2x faster than an int64 cast here) cannot wrap: the result is >= -2.
-        if mask.size and _MIN(np.subtract(versions, mask)) < NOT_GENERATED:
+        # (2x faster than an int64 cast here) cannot wrap: the result is >= -2. Only a group
+        # with an unversioned token (env and tool tokens) can fail it: a single-turn group,
+        # every token generated, skips the pass (a third of the checks' time on a 16k group).
+        if oldest < 0 and mask.size and _MIN(np.subtract(versions, mask)) < NOT_GENERATED:
             raise RecordError(f"group {gid}: a token with loss_mask 1 has no generating version")
         finite = _all_finite(self.rollout_logprobs) and _all_finite(self.rewards)
         if not finite or (self.advantages is not None and not _all_finite(self.advantages)):
