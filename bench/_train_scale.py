@@ -74,13 +74,14 @@ def learner_config(micro: int, dtype: str, extra: list[str]) -> Any:
 
 
 def build_learner(model_dir: Path, cfg: Any, device: str, world: int = 1) -> Any:
+    from asyncrl.device import device_spec
     from asyncrl.learner.torch.distributed import DistributedTorchLearner
     from asyncrl.learner.torch.learner import TorchLearner
 
     kwargs = dict(model_path=model_dir, train=cfg.actor_train, actor=cfg.actor,
                   algorithm=cfg.algorithm, temperature=1.0, total_steps=1000)  # fmt: skip
-    if world > 1:
-        return DistributedTorchLearner(world, **kwargs)
+    if world > 1:  # ranks on `device`'s kind (gloo on the CPU), also on a GPU machine
+        return DistributedTorchLearner(world, device=device_spec(device.split(":")[0]), **kwargs)
     return TorchLearner(**kwargs, device=device)
 
 

@@ -5,7 +5,8 @@ A bench builds a result dict whose `headline` maps metric names to
 args, plot)`. That writes `bench/results/<name>.json` (smoke runs: `bench/results/smoke/`) and
 `<name>.png`, compares every headline metric with the recorded baseline
 `bench/results/baseline/<name>.json` and flags a change for the worse beyond `--tolerance`
-(relative) as a regression. Smoke results are never compared with full-size baselines.
+(relative) as a regression. Smoke results are never compared with full-size baselines, nor a
+result with a baseline measured on another device (a GPU's, or the CPU's).
 `--record-baseline` also writes the result as the new baseline.
 """
 
@@ -89,6 +90,12 @@ def compare(result: dict[str, Any], baseline: dict[str, Any], tolerance: float) 
     return out
 
 
+def accelerator(result: dict[str, Any]) -> str:
+    """The device a result was measured on: its GPU's name, else "the CPU" (results and
+    baselines recorded before GPUs were named count as the CPU's)."""
+    return result.get("machine", {}).get("gpu") or "the CPU"
+
+
 def _baseline_check(name: str, result: dict[str, Any], args: argparse.Namespace) -> list[str]:
     path = args.baseline_dir / f"{name}.json"
     if not path.exists():
@@ -97,6 +104,11 @@ def _baseline_check(name: str, result: dict[str, Any], args: argparse.Namespace)
     baseline = json.loads(path.read_text())
     if bool(baseline.get("smoke")) != bool(result.get("smoke")):
         print(f"baseline: {path} is a {'smoke' if baseline.get('smoke') else 'full'} run; skipped")
+        return []
+    then, now = accelerator(baseline), accelerator(result)
+    # A GPU's ratios are not the CPU's (kernel launches vs host ops), nor another GPU's.
+    if then != now:
+        print(f"baseline: {path} was measured on {then}, this run on {now}; skipped")
         return []
     regressions = compare(result, baseline, args.tolerance)
     for line in regressions:

@@ -84,6 +84,30 @@ def test_baseline_regressions_are_flagged(tmp_path):
     assert [line.split(":")[0] for line in flagged] == ["speed", "latency"]
 
 
+def test_a_baseline_of_another_device_is_not_compared(tmp_path, capsys):
+    """A GPU's result against the CPU's baseline (or another GPU's) is skipped, not flagged:
+    the same bench's ratios differ by device. The same device is compared as before."""
+    import argparse
+    import json
+
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    cpu = {"smoke": False, "machine": {"cpus": 2}, "headline": {"x": common.headline(3.0)}}
+    (tmp_path / "b.json").write_text(json.dumps(cpu))
+    args = argparse.Namespace(baseline_dir=tmp_path, tolerance=0.25)
+    worse = {"smoke": False, "headline": {"x": common.headline(1.0)}}
+    on_gpu = {**worse, "machine": {"cpus": 16, "gpu": "NVIDIA H200"}}
+    assert common._baseline_check("b", on_gpu, args) == []
+    assert "measured on the CPU, this run on NVIDIA H200; skipped" in capsys.readouterr().out
+    (tmp_path / "b.json").write_text(json.dumps({**cpu, "machine": {"gpu": "NVIDIA H100"}}))
+    assert common._baseline_check("b", on_gpu, args) == []
+    h100 = {**on_gpu, "machine": {"gpu": "NVIDIA H100"}}
+    assert len(common._baseline_check("b", h100, args)) == 1
+    (tmp_path / "b.json").write_text(json.dumps(cpu))
+    assert len(common._baseline_check("b", {**worse, "machine": {"cpus": 2}}, args)) == 1
+
+
 def _listed(text: str) -> dict[str, str]:
     """`name  first docstring line` rows of the bench listing."""
     rows = [line.split(None, 1) for line in text.splitlines() if line.startswith("  ")]
