@@ -108,9 +108,8 @@ def run_one(tok_dir, statuses: list[int], item: PromptItem, **rollout: Any):
         try:
             [result] = await worker.run_prompts([item])
         finally:
-            for client in worker.builder.clients:
-                await client.close()
-            await loop.run_in_executor(None, worker.close)
+            await worker.aclose()
+            assert all(c._session is None for c in worker.builder.clients)  # closed, not left
             await runner.cleanup()
         return result
 

@@ -50,6 +50,11 @@ class _RayRolloutWorker:
             return [PromptResult(it.key, ok=False, error=error, permanent=True) for it in items]
         return await self.worker.run_prompts(items)
 
+    async def close(self) -> None:
+        """Close the worker's connections before its actor is killed (`RayWorkerPool.close`)."""
+        if self.worker is not None:
+            await self.worker.aclose()
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -168,7 +173,14 @@ class RayWorkerPool:
         """The Ray node id each worker runs on."""
         return self._ray.get([a.node_id.remote() for a in self.workers])
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 2.0) -> None:
+        """End the workers: each closes its connections first (at most `grace_s` in all: a
+        worker whose send is blocked is killed anyway), then its actor is killed."""
+        try:
+            if closing := [actor.close.remote() for actor in self.workers]:
+                self._ray.wait(closing, num_returns=len(closing), timeout=grace_s)
+        except Exception:  # noqa: BLE001 - a dead actor, Ray shutting down: kill what is left
+            pass
         for actor in self.workers:
             try:
                 self._ray.kill(actor, no_restart=True)

@@ -115,6 +115,14 @@ class RolloutWorker:
             await asyncio.sleep(backoff_s(self.settings, attempt))
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
+    async def aclose(self) -> None:
+        """Close the engine clients' HTTP sessions (they belong to this event loop: left to
+        the garbage collector, each says "Unclosed client session" as the process ends), then
+        the sender."""
+        for client in self.builder.clients:
+            await client.close()
+        await asyncio.to_thread(self.close)
+
     def close(self) -> None:
         self._send_pool.submit(self.sender.close).result()
         self._send_pool.shutdown()
