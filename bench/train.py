@@ -4,8 +4,12 @@ One step = one rollout batch of synthetic groups (n responses per prompt, random
 response lengths uniform in [L/2, L]): recompute the proximal logprobs (decoupled mode, the
 default) → IS weights, RS, metrics → PPO loss, backward over micro-batches → AdamW. Side by
 side with a plain PyTorch step on the same tokens and micro-batches (forward, masked
-policy-gradient loss, backward, clip, AdamW: no recompute, no IS) and with the learner in
-bypass mode (no recompute). `x raw` is what the learner's extra work costs.
+policy-gradient loss, backward, clip, AdamW: no recompute, no IS), with the learner in
+bypass mode (no recompute), and in bypass mode without `actor.share_prompt_forward` (each
+row's prompt and response in one forward, as the raw step does: half the kernel launches of
+the shared prompt's two forwards, which a launch-bound GPU step pays for, against the
+prompt's FLOPs once per group, which a CPU step saves). `x raw` is what the learner's extra
+work costs.
 
 MFU (GPU only): model FLOPs (6 N per trained token + 2 N per recomputed token, N = parameters,
 attention ignored) / step time / the GPU's dense bf16 peak.
@@ -58,7 +62,15 @@ def make_groups(groups: int, n: int, resp_len: int, vocab: int, seed: int = 0) -
     )
 
 
-def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str):
+#: The learner's paths: correction mode and extra config overrides.
+PATHS = {
+    "decoupled": ("decoupled", []),
+    "bypass": ("bypass", []),
+    "bypass, unshared prompt": ("bypass", ["actor.share_prompt_forward=false"]),
+}
+
+
+def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str, extra=()):
     from asyncrl.config import load_config
     from asyncrl.learner.torch.learner import TorchLearner
 
@@ -66,7 +78,7 @@ def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str
         f"algorithm.correction_mode={mode}", f"actor_train.model_args.dtype={dtype}",
         f"actor_train.training_args.per_device_train_batch_size={micro}",
         f"actor_train.infer_batch_size={micro}", "actor_train.training_args.learning_rate=1e-5",
-        "actor_train.model_args.disable_gradient_checkpointing=true",
+        "actor_train.model_args.disable_gradient_checkpointing=true", *extra,
     ])  # fmt: skip
     return TorchLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 1.0,
                         total_steps=1000, device=device)  # fmt: skip
@@ -111,9 +123,9 @@ def measure(model_dir: Path, groups: list, micro: int, repeats: int) -> dict[str
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bf16") if cuda else ("cpu", "fp32")
     seconds, learners = {}, {}
-    for mode in ("decoupled", "bypass"):
-        learners[mode] = learner = make_learner(model_dir, mode, micro, device, dtype)
-        seconds[mode] = _time(lambda lr=learner: lr.step(groups), repeats, cuda)
+    for path, (mode, extra) in PATHS.items():
+        learners[path] = learner = make_learner(model_dir, mode, micro, device, dtype, extra)
+        seconds[path] = _time(lambda lr=learner: lr.step(groups), repeats, cuda)
     model = learners["bypass"].model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     data = collate(groups, 0).to_torch(device)
@@ -127,8 +139,8 @@ def measure(model_dir: Path, groups: list, micro: int, repeats: int) -> dict[str
             "padded_width": int(data["input_ids"].shape[1])}  # fmt: skip
 
 
-def _flops(m: dict[str, Any], mode: str) -> float:
-    recompute = 2 if mode == "decoupled" else 0
+def _flops(m: dict[str, Any], path: str) -> float:
+    recompute = 2 if path == "decoupled" else 0
     return (6 + recompute) * m["params"] * m["processed_tokens"]
 
 
