@@ -87,7 +87,9 @@ def exit_on_sigterm() -> Iterator[None]:
     an exception in the main thread, so every process and thread the run started is stopped in
     order and the metrics written so far are kept (exit status 143). Ray set the same handler
     when it was started from the main thread; the run starts it on a thread of its own."""
-    previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    from asyncrl.net import exit_on_signal
+
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         yield
     finally:

@@ -104,10 +104,22 @@ def init_ray(address: str | None = None) -> None:
 _RAY_INIT_LOCK = threading.Lock()
 
 
+def ray_env(address: str | None = None) -> None:
+    """What `init_ray` sets in the environment for a local Ray (its processes inherit it).
+    `init_ray` calls it; a caller about to start Ray on another thread calls it first, from the
+    thread it is on: the environment is not thread-safe in C (a setenv while torch, OpenMP or
+    CUDA reads it with getenv on the main thread can crash), and once set it is only read."""
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault(RAY_CLUSTER_SWITCH, "0")  # read by Ray on import
+        # Ray starts its workers at nice 15, so on a small box where the learner and the
+        # engines keep every core busy the rollout workers (which feed the engines and the
+        # replay queue) would run only in the gaps: the loop's processes share it as equals.
+        os.environ.setdefault(RAY_WORKER_NICENESS, "0")
+
+
 def _init_ray(address: str | None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        os.environ.setdefault(RAY_CLUSTER_SWITCH, "0")  # inherited by Ray's processes
+    ray_env(address)
     import ray
 
     if ray.is_initialized():
@@ -117,10 +129,6 @@ def _init_ray(address: str | None) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     _ray_loopback()
-    # Ray starts its workers at nice 15, so on a small box where the learner and the engines
-    # keep every core busy the rollout workers (which feed the engines and the replay queue)
-    # would run only in the gaps: the loop's own processes share the machine as equals.
-    os.environ.setdefault(RAY_WORKER_NICENESS, "0")
     # Rollout workers take no CPU reservation: they are I/O-bound clients of the engines,
     # and a 2-core laptop must still fit several of them.
     cpus = max(2, os.cpu_count() or 2)
@@ -141,16 +149,27 @@ def _init_ray(address: str | None) -> None:
         log.warning("Ray's local node is on %s: its servers listen beyond loopback", node_ip)
 
 
-def reclaim_sigterm() -> None:
-    """Give SIGTERM back to the handler Python has on record (the CLI's: a clean unwind).
-    Ray's core worker installs its own for it when Ray starts (print a stack trace, abort);
-    started on the main thread, Ray then reinstates a Python handler, started on another it
-    cannot. Call from the main thread once Ray is up; elsewhere a no-op (only the main thread
-    may set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
+def exit_on_signal(signum: int, frame: object) -> None:
+    """A signal handler that ends the process as Ctrl-C does: by an exception in the main
+    thread, so what the run started stops in order (exit status 128 + signum)."""
+    sys.exit(128 + signum)
+
+
+def sigterm_handler() -> Any:
+    """The SIGTERM handler a run keeps over Ray's (`reclaim_sigterm`), taken before Ray
+    starts: Python's (the CLI's), or, where none is set (a run started from Python: a bench, a
+    notebook), `exit_on_signal`, as Ray itself set when it started on the main thread."""
     handler = signal.getsignal(signal.SIGTERM)
-    if handler is not None:  # None: a handler set outside Python, left alone
+    return exit_on_signal if handler is signal.SIG_DFL else handler
+
+
+def reclaim_sigterm(handler: Any) -> None:
+    """Give SIGTERM back to `handler` (`sigterm_handler()`, taken before Ray started). Ray's
+    core worker installs its own when Ray starts (print a stack trace, abort), and started on
+    the main thread Ray also sets a Python one (exit status 15), so either way the run's
+    handler is lost. Call from the main thread once Ray is up; elsewhere a no-op (only the
+    main thread may set handlers). None: a handler set outside Python, left alone."""
+    if threading.current_thread() is threading.main_thread() and handler is not None:
         signal.signal(signal.SIGTERM, handler)
 
 

@@ -57,12 +57,15 @@ def train(
     found = claim_output_dir(out, ckpt, cfg.actor.checkpoint, overwrite)  # before any start
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(cfg.actor_train.model_args)
-    # Exits in reverse: the rollout side, the logger (summary), the learner, the engines.
+    # Exits in reverse: the rollout side, the logger (summary), the workers, the engines, then
+    # the learner: a weight sync still running as the run unwinds (the control loop's) reads
+    # its weights and, with several ranks, its process groups, which its close destroys.
     with ExitStack() as stack:
+        last = stack.enter_context(ExitStack())  # the learner's, built after the engines start
         engines = launch_engines(stack, cfg, model_dir, budget)  # they load as the learner does
         prompts = PromptSource(cfg, model_dir)
         workers = WorkerStart(stack, cfg, model_dir, engines, prompts.tokenizer)  # likewise
-        learner = stack.enter_context(closing(build_learner(cfg, model_dir)))
+        learner = last.enter_context(closing(build_learner(cfg, model_dir)))
         queue = make_queue(cfg)
         step = resume(found, ckpt, cfg, learner, queue, prompts)
         logger = stack.enter_context(MetricsLogger(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,6 +24,7 @@ from asyncrl.config.async_checks import pause_mode
 from asyncrl.data.prompts import PromptSource
 from asyncrl.data.tokenizer import tokenizer_class_name
 from asyncrl.learner.base import Learner
+from asyncrl.net import ray_env, reclaim_sigterm, sigterm_handler
 from asyncrl.orchestrator import Orchestrator
 from asyncrl.replay.queue import ReplayQueue
 from asyncrl.rollout.evaluation import Evaluator
@@ -34,6 +36,11 @@ if TYPE_CHECKING:  # imported where they start: the engine layer and Ray load on
     from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
     from asyncrl.rollout.ray_pool import RayWorkerPool
+
+
+#: At exit, how long to wait for a rollout workers' start still under way (Ray and the actors
+#: coming up: ~5-10 s on a loaded 2-core box) before leaving them to Ray's shutdown.
+START_WAIT_S = 60.0
 
 
 def launch_engines(
@@ -85,11 +92,13 @@ class WorkerStart:
         self.tokenizer_class = tokenizer_class_name(tokenizer)  # the workers skip AutoTokenizer
         self._started: cf.Future[RayWorkerPool] | None = None
         self._pool: RayWorkerPool | None = None
+        self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
         stop_later(stack, self._close)
         if fleet.handles:  # spawned: their URLs are known now
-            starter = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncrl-workers")
-            self._started = starter.submit(self._start)
-            starter.shutdown(wait=False)  # its one thread ends with the start
+            ray_env(cfg.cluster.address.strip() or None)  # here: the main thread reads it too
+            self._started = cf.Future()
+            # A daemon: a start stuck in Ray (an actor never placed) must not hold up the exit.
+            threading.Thread(target=self._start_into, name="asyncrl-workers", daemon=True).start()
 
     def settings(self, index: int) -> RolloutSettings:
         """Rollout worker `index`'s sub-config (the evaluator's too: index 0)."""
@@ -110,21 +119,31 @@ class WorkerStart:
         n = self.cfg.rollout.num_actors
         return RayWorkerPool(self.settings, n, self.fleet.worker_options, address)
 
+    def _start_into(self) -> None:
+        started = self._started
+        try:
+            started.set_result(self._start())
+        except BaseException as e:  # handed to `pool`'s caller
+            started.set_exception(e)
+
     def pool(self) -> RayWorkerPool:
         """The workers, their start waited for (or run here); raises what it raised. From the
         main thread."""
-        from asyncrl.net import reclaim_sigterm
-
         if self._pool is None:
             self._pool = self._started.result() if self._started is not None else self._start()
-        reclaim_sigterm()  # Ray, started on the workers' thread, took SIGTERM over
+        reclaim_sigterm(self._sigterm)  # Ray took SIGTERM over when it started
         return self._pool
 
     def _close(self) -> None:
         """At exit: the workers, once their start is done (a start that failed stopped its
-        workers itself, and raised to `pool`'s caller)."""
-        if self._started is not None and self._started.exception() is None:
-            self._pool = self._started.result()
+        workers itself, and raised to `pool`'s caller); one still starting after
+        `START_WAIT_S` is left to Ray's shutdown."""
+        if self._started is not None and self._pool is None:
+            try:
+                if self._started.exception(timeout=START_WAIT_S) is None:
+                    self._pool = self._started.result()
+            except cf.TimeoutError:
+                print(f"asyncrl: the rollout workers' start outlasted {START_WAIT_S:.0f} s at exit")
         if self._pool is not None:
             self._pool.close()
 

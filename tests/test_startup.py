@@ -1,6 +1,7 @@
 """The run's start-up order (startup.py): the engines and the rollout workers start before the
-learner is built, so a failure in between must still stop them; and SIGTERM ends a CLI run as
-Ctrl-C does (every started process stopped, the rows so far kept)."""
+learner is built, so a failure in between must still stop them; SIGTERM ends a run (the CLI's,
+or one started from Python) as Ctrl-C does (every started process stopped, the rows so far
+kept); the learner closes after the engines stop."""
 
 from __future__ import annotations
 
@@ -54,13 +55,24 @@ def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
             ray.get(actor.pid.remote(), timeout=30)
 
 
+# A run started from Python (a bench, a notebook): no SIGTERM handler of its own.
+FROM_PYTHON = (
+    "import sys; from asyncrl.config import load_config; from asyncrl.run import run; "
+    "run(load_config(None, sys.argv[1:]))"
+)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_sigterm_ends_a_cli_run_in_order(tiny_model, tmp_path):
+@pytest.mark.parametrize("how", ["cli", "python"])
+def test_sigterm_ends_a_run_in_order(tiny_model, tmp_path, how):
+    """By the CLI's handler, or, for a run started from Python, the one the run sets as Ray
+    did when it started on the main thread (the default action would kill it on the spot)."""
     overrides = shrunk_overrides(
         tiny_model, tmp_path, "max_steps=100000", "logging.eval_interval=0"
     )
+    command = ["-m", "asyncrl.cli", "run"] if how == "cli" else ["-c", FROM_PYTHON]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", *overrides],
+        [sys.executable, *command, *overrides],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     metrics = tmp_path / "metrics.jsonl"
@@ -78,3 +90,105 @@ def test_sigterm_ends_a_cli_run_in_order(tiny_model, tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert any(r.get("version") for r in rows)  # the trained steps' rows were kept
     assert (tmp_path / "summary.json").exists()  # the logger closed: the run unwound in order
+
+
+def test_the_learner_closes_after_the_engines_stop(tiny_model, tmp_path, monkeypatch):
+    """A weight sync still running as the run unwinds reads the learner (its weights, its
+    process groups): the learner closes last, once every engine process has exited."""
+    seen: dict[str, object] = {}
+    spawn, build = EngineFleet.spawn, run_module.build_learner
+
+    def spy_spawn(fleet, *args, **kwargs):
+        seen["fleet"] = fleet
+        return spawn(fleet, *args, **kwargs)
+
+    def spy_build(*args, **kwargs):
+        learner = build(*args, **kwargs)
+        close = learner.close
+
+        def close_last() -> None:
+            handles = seen["fleet"].handles
+            seen["engines_exited"] = bool(handles) and all(
+                h.proc.poll() is not None for h in handles
+            )
+            close()
+
+        learner.close = close_last
+        return learner
+
+    monkeypatch.setattr(EngineFleet, "spawn", spy_spawn)
+    monkeypatch.setattr(run_module, "build_learner", spy_build)
+    run_module.run(shrunk(tiny_model, tmp_path, "max_steps=2", "logging.eval_interval=0"))
+    assert seen["engines_exited"] is True
+
+
+def test_an_engine_that_fails_to_spawn_leaves_the_ones_before_it_stoppable(tiny_model, tmp_path):
+    """`EngineFleet.spawn` keeps each engine as it starts: when engine 1 fails to start,
+    engine 0 is in `handles`, so the run's exit stops it (it used to be lost with the list)."""
+    from asyncrl.net import AsyncRunner
+
+    class Handle:
+        stopped = False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    class Launcher:
+        def __init__(self) -> None:
+            self.first = Handle()
+
+        def spawn(self, index: int) -> Handle:
+            if index == 1:
+                raise RuntimeError("engine 1 failed to start")
+            return self.first
+
+        def close(self) -> None:
+            pass
+
+    cfg = shrunk(tiny_model, tmp_path, "actor_infer.device_mapping=[0,1]")
+    runner = AsyncRunner()
+    try:
+        fleet = EngineFleet(
+            cfg.actor_infer, cfg.weight_sync, "abort", tiny_model, tmp_path, seed=0,
+            request_timeout_s=5.0, runner=runner,
+        )  # fmt: skip
+        assert fleet.num_engines == 2
+        fleet.launcher = launcher = Launcher()
+        with pytest.raises(RuntimeError, match="engine 1 failed"):
+            fleet.spawn()
+        assert fleet.handles == [launcher.first]
+        fleet.stop()
+        assert launcher.first.stopped
+    finally:
+        runner.close()
+
+
+def test_the_sigterm_handler_a_run_keeps():
+    """The run's handler is taken before Ray starts: the one Python has (the CLI's), or, where
+    none is set, one that unwinds (exit status 143) as Ray's did from the main thread."""
+    import threading
+
+    from asyncrl import net
+
+    def mine(signum, frame):  # pragma: no cover - never delivered
+        pass
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        kept = net.sigterm_handler()
+        assert kept is net.exit_on_signal
+        with pytest.raises(SystemExit) as raised:
+            kept(signal.SIGTERM, None)
+        assert raised.value.code == 128 + signal.SIGTERM
+        signal.signal(signal.SIGTERM, mine)
+        assert net.sigterm_handler() is mine
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as Ray's start leaves it, say
+        worker = threading.Thread(target=net.reclaim_sigterm, args=(mine,))
+        worker.start()
+        worker.join()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # only the main thread sets
+        net.reclaim_sigterm(mine)
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -126,7 +126,8 @@ class EngineFleet:
             self.launcher.threads = threads  # kept: a relaunched engine gets the same share
         spawn = getattr(self.launcher, "spawn", None)
         if spawn is not None and not self.handles:
-            self.handles = [spawn(i) for i in range(self.num_engines)]
+            for i in range(self.num_engines):  # one by one: `stop` stops those before a failure
+                self.handles.append(spawn(i))
 
     def start(
         self,
@@ -144,7 +145,8 @@ class EngineFleet:
         returns a ready engine, and `meanwhile` runs after the last one."""
         self.spawn(threads)
         if not self.handles:  # a launcher without `spawn`: each `launch` waits for its engine
-            self.handles = [self.launcher.launch(i) for i in range(self.num_engines)]
+            for i in range(self.num_engines):
+                self.handles.append(self.launcher.launch(i))
         done = meanwhile() if meanwhile is not None else None
         if hasattr(self.launcher, "spawn"):  # spawned: wait for each now
             self.handles = [self.launcher.wait_ready(h) for h in self.handles]
