@@ -79,6 +79,7 @@ class WorkerStart:
         from asyncrl.transport.zmq import Receiver, ReceiverConfig
 
         self.cfg, self.model_dir, self.fleet = cfg, model_dir, fleet
+        self.address = cfg.cluster.address.strip() or None  # multi-node: each beside its engine
         ro = cfg.rollout
         # The stream's secret, apart from the engines' key (which may show on an engine's
         # command line: SGLang's --api-key) so that its reader cannot sign groups. Passed as
@@ -95,7 +96,7 @@ class WorkerStart:
         self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
         stop_later(stack, self._close)
         if fleet.handles:  # spawned: their URLs are known now
-            ray_env(cfg.cluster.address.strip() or None)  # here: the main thread reads it too
+            ray_env(self.address)  # here: the main thread reads the environment too
             self._started = cf.Future()
             # A daemon: a start stuck in Ray (an actor never placed) must not hold up the exit.
             threading.Thread(target=self._start_into, name="asyncrl-workers", daemon=True).start()
@@ -115,9 +116,8 @@ class WorkerStart:
     def _start(self) -> RayWorkerPool:  # processes: Ray actors, the rollout workers
         from asyncrl.rollout.ray_pool import RayWorkerPool
 
-        address = self.cfg.cluster.address.strip() or None  # multi-node: each beside its engine
         n = self.cfg.rollout.num_actors
-        return RayWorkerPool(self.settings, n, self.fleet.worker_options, address)
+        return RayWorkerPool(self.settings, n, self.fleet.worker_options, self.address)
 
     def _start_into(self) -> None:
         started = self._started

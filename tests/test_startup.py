@@ -22,15 +22,27 @@ from tests.test_e2e import shrunk, shrunk_overrides
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
-    tiny_model, tmp_path, monkeypatch
-):
-    seen: dict[str, object] = {}
-    spawn, start = EngineFleet.spawn, WorkerStart.__init__
+def spy_on_the_fleet(monkeypatch, seen: dict[str, object]) -> None:
+    """`seen["fleet"]`: the run's EngineFleet, recorded as it spawns its engines."""
+    spawn = EngineFleet.spawn
 
     def spy_spawn(fleet, *args, **kwargs):
         seen["fleet"] = fleet
         return spawn(fleet, *args, **kwargs)
+
+    monkeypatch.setattr(EngineFleet, "spawn", spy_spawn)
+
+
+def engines_exited(fleet: EngineFleet) -> bool:
+    """Whether the fleet started engines and every one's process has exited."""
+    return bool(fleet.handles) and all(h.proc.poll() is not None for h in fleet.handles)
+
+
+def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
+    tiny_model, tmp_path, monkeypatch
+):
+    seen: dict[str, object] = {}
+    start = WorkerStart.__init__
 
     def spy_start(workers, *args, **kwargs):
         seen["workers"] = workers
@@ -41,13 +53,12 @@ def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
         seen["actors"] = list(pool.workers)
         raise RuntimeError("learner build failed")
 
-    monkeypatch.setattr(EngineFleet, "spawn", spy_spawn)
+    spy_on_the_fleet(monkeypatch, seen)
     monkeypatch.setattr(WorkerStart, "__init__", spy_start)
     monkeypatch.setattr(run_module, "build_learner", failing_build)
     with pytest.raises(RuntimeError, match="learner build failed"):
         run_module.run(shrunk(tiny_model, tmp_path))
-    handles = seen["fleet"].handles
-    assert handles and all(h.proc.poll() is not None for h in handles)  # engines stopped
+    assert engines_exited(seen["fleet"])  # engines stopped
     import ray
 
     for actor in seen["actors"]:  # rollout workers killed
@@ -96,27 +107,20 @@ def test_the_learner_closes_after_the_engines_stop(tiny_model, tmp_path, monkeyp
     """A weight sync still running as the run unwinds reads the learner (its weights, its
     process groups): the learner closes last, once every engine process has exited."""
     seen: dict[str, object] = {}
-    spawn, build = EngineFleet.spawn, run_module.build_learner
-
-    def spy_spawn(fleet, *args, **kwargs):
-        seen["fleet"] = fleet
-        return spawn(fleet, *args, **kwargs)
+    build = run_module.build_learner
 
     def spy_build(*args, **kwargs):
         learner = build(*args, **kwargs)
         close = learner.close
 
         def close_last() -> None:
-            handles = seen["fleet"].handles
-            seen["engines_exited"] = bool(handles) and all(
-                h.proc.poll() is not None for h in handles
-            )
+            seen["engines_exited"] = engines_exited(seen["fleet"])
             close()
 
         learner.close = close_last
         return learner
 
-    monkeypatch.setattr(EngineFleet, "spawn", spy_spawn)
+    spy_on_the_fleet(monkeypatch, seen)
     monkeypatch.setattr(run_module, "build_learner", spy_build)
     run_module.run(shrunk(tiny_model, tmp_path, "max_steps=2", "logging.eval_interval=0"))
     assert seen["engines_exited"] is True
