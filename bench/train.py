@@ -71,17 +71,10 @@ PATHS = {
 
 
 def make_learner(model_dir: Path, mode: str, micro: int, device: str, dtype: str, extra=()):
-    from asyncrl.config import load_config
-    from asyncrl.learner.torch.learner import TorchLearner
-
-    cfg = load_config(None, [
-        f"algorithm.correction_mode={mode}", f"actor_train.model_args.dtype={dtype}",
-        f"actor_train.training_args.per_device_train_batch_size={micro}",
-        f"actor_train.infer_batch_size={micro}", "actor_train.training_args.learning_rate=1e-5",
-        "actor_train.model_args.disable_gradient_checkpointing=true", *extra,
-    ])  # fmt: skip
-    return TorchLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 1.0,
-                        total_steps=1000, device=device)  # fmt: skip
+    """The learner in correction `mode`, on `micro`-row micro-batches (the scale parts' own
+    configuration, `_train_scale.learner_config`), with `extra` overrides."""
+    cfg = scale.learner_config(micro, dtype, [f"algorithm.correction_mode={mode}", *extra])
+    return scale.build_learner(model_dir, cfg, device)
 
 
 def raw_step(model: Any, opt: Any, data: dict[str, torch.Tensor], micro: int) -> None:
