@@ -305,8 +305,10 @@ def render_page() -> str:
     parts = [HEADER]
     for e in entries():
         depth = e.key.replace("[]", "").count(".")
-        if e.section and depth == 0:
-            parts.append(f"## `{e.key}`\n\n{_escape_html(e.doc)}\n")
+        if e.section:  # a section: its heading and what it holds; its keys follow
+            heading = "##" if depth == 0 else "###"
+            optional = " Optional: null (off) unless given." if e.default == "null" else ""
+            parts.append(f"{heading} `{e.key}`\n\n{_escape_html(e.doc)}{optional}\n")
             continue
         parts.append(render_entry(e))
     return "\n".join(parts).rstrip() + "\n"
