@@ -4,6 +4,8 @@ entry, and the committed page must equal a fresh one."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,12 @@ def test_config_explain_unknown_key_is_one_line_with_a_hint(key, hint, capsys):
 def test_config_explain_needs_one_key(capsys):
     assert main(["config", "explain"]) == 2
     assert "give one key" in capsys.readouterr().err
+
+
+def test_the_reference_imports_nothing_heavy():
+    code = (
+        "import sys; from asyncrl.config import docs; docs.render_page(); docs.explain('env.name');"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'transformers'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
