@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+DOCS_REFERENCE = BENCH_DIR.parent / "docs" / "reference" / "config.md"  # the checkout's
 # The project's "bad input" errors: (module, class). Looked up in sys.modules only, so catching
 # them imports nothing; a class whose module never loaded cannot have been raised.
 USER_ERRORS = (
@@ -45,6 +46,8 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.action in ("docs", "explain"):
+        return cmd_config_docs(args)
     import yaml
 
     from asyncrl.config import derive_plan, load_config, to_dict
@@ -61,6 +64,29 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump({"plan": plan_dict}, sort_keys=False).rstrip())
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    """`config docs [--out PATH]`: write the reference generated from the schema;
+    `config explain KEY`: print one key's entry."""
+    from asyncrl.config import docs
+
+    if args.action == "explain":
+        if len(args.items) != 1:
+            print("asyncrl config explain: give one key, e.g. async.max_staleness", file=sys.stderr)
+            return 2
+        print(docs.explain(args.items[0]))
+        return 0
+    if args.items:
+        print(
+            f"asyncrl config docs: unexpected {args.items[0]!r} (use --out PATH)", file=sys.stderr
+        )
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(docs.render_page(), encoding="utf-8")
+    print(f"wrote {out}")
     return 0
 
 
@@ -195,9 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="start afresh in an output_dir that holds a run (its files are moved aside)",
     )
     run.set_defaults(func=cmd_run)
-    config = sub.add_parser("config", help="show or validate a config")
-    config.add_argument("action", choices=["show", "validate"])
-    config.add_argument("items", nargs="*", help="[CONFIG.yaml] [key.path=value ...]")
+    config = sub.add_parser(
+        "config", help="show or validate a config; docs: the key reference; explain KEY"
+    )
+    config.add_argument("action", choices=["show", "validate", "docs", "explain"])
+    config.add_argument(
+        "items", nargs="*", help="[CONFIG.yaml] [key.path=value ...] (explain: one KEY)"
+    )
+    config.add_argument(
+        "--out", default=str(DOCS_REFERENCE), help="config docs: where the page goes"
+    )
     config.set_defaults(func=cmd_config)
     bench = sub.add_parser("bench", help="throughput benchmarks (bench/<what>.py)")
     bench.help_tail = bench_listing
