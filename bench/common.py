@@ -7,7 +7,11 @@ args, plot)`. That writes `bench/results/<name>.json` (smoke runs: `bench/result
 `bench/results/baseline/<name>.json` and flags a change for the worse beyond `--tolerance`
 (relative) as a regression. Smoke results are never compared with full-size baselines, nor a
 result with a baseline measured on another device (a GPU's, or the CPU's).
-`--record-baseline` also writes the result as the new baseline.
+`--record-baseline` also writes the result as the new baseline. A headline metric the baseline
+lacks is a regression ("no baseline value"), not a silent skip: a baseline records every
+headline key. Every full-size run also appends one record to `bench/results/history.jsonl`
+(date, bench, command, machine with its CPU model or GPU name, commit, headline figures), so a
+figure's history lives there and the result file holds the current value.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +33,7 @@ from typing import Any
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BASELINE_DIR = RESULTS_DIR / "baseline"
 SMOKE_DIR = RESULTS_DIR / "smoke"
+HISTORY = RESULTS_DIR / "history.jsonl"
 DEFAULT_TOLERANCE = 0.25
 
 
@@ -52,6 +58,7 @@ def out_dir(args: argparse.Namespace) -> Path:
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
@@ -69,6 +76,55 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo`; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout the bench runs from (None outside a git checkout); a
+    `+dirty` suffix when tracked files differ from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return commit
+
+
+def history_record(result: dict[str, Any], file: Path) -> dict[str, Any]:
+    """One line of `history.jsonl` for a result just written to `file`."""
+    info = result.get("machine", {})
+    root = RESULTS_DIR.parent.parent
+    path = file.resolve()
+    record = {
+        "date": result["created"],
+        "bench": result["name"],
+        "file": str(path.relative_to(root) if path.is_relative_to(root) else path),
+        "command": result["command"].strip(),
+        "machine": info.get("gpu") or f"{info.get('cpu_model')} ({info.get('cpus')} cores)",
+        "loadavg_1m": info.get("loadavg_1m"),
+        "commit": result.get("commit"),
+        "figures": {k: v["value"] for k, v in result.get("headline", {}).items()},
+    }
+    if "met" in result:
+        record["met"] = result["met"]
+    return record
+
+
 def headline(value: float, higher_is_better: bool = True, unit: str = "") -> dict[str, Any]:
     return {"value": float(value), "higher_is_better": higher_is_better, "unit": unit}
 
@@ -78,8 +134,11 @@ def compare(result: dict[str, Any], baseline: dict[str, Any], tolerance: float) 
     out = []
     for key, now in result.get("headline", {}).items():
         then = baseline.get("headline", {}).get(key)
-        if not then or not then.get("value"):
+        if not then or then.get("value") is None:
+            out.append(f"{key}: {now['value']:.4g}, no baseline value (record one)")
             continue
+        if not then["value"]:
+            continue  # a zero baseline has no relative change
         change = (now["value"] - then["value"]) / abs(then["value"])
         worse = -change if now.get("higher_is_better", True) else change
         if worse > tolerance:
@@ -134,12 +193,16 @@ def finish(
         "command": f"asyncrl bench {bench or name.replace('_', '-')} " + " ".join(argv or []),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
+        "commit": git_commit(),
         **result,
     }
     result["regressions"] = _baseline_check(name, result, args)
     folder = out_dir(args)
     text = json.dumps(result, indent=2, default=_jsonable) + "\n"
     (folder / f"{name}.json").write_text(text)
+    if not args.smoke:  # a full-size figure: its history beside the result files
+        with (folder / HISTORY.name).open("a") as history:
+            history.write(json.dumps(history_record(result, folder / f"{name}.json")) + "\n")
     if plot is not None:
         save_plot(plot, folder / f"{name}.png")
     if args.record_baseline:

@@ -108,6 +108,45 @@ def test_a_baseline_of_another_device_is_not_compared(tmp_path, capsys):
     assert len(common._baseline_check("b", {**worse, "machine": {"cpus": 2}}, args)) == 1
 
 
+def test_a_headline_key_the_baseline_lacks_is_flagged_not_skipped():
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    baseline = {"smoke": False, "headline": {"speed": common.headline(100.0)}}
+    result = {"smoke": False, "headline": {
+        "speed": common.headline(100.0), "new_ratio": common.headline(0.5),
+    }}  # fmt: skip
+    (line,) = common.compare(result, baseline, 0.25)
+    assert line.startswith("new_ratio:") and "no baseline value" in line
+
+
+def test_a_full_run_appends_its_history_record(tmp_path):
+    """`finish` writes the result and appends one history line naming date, command, machine
+    (CPU model or GPU), commit and every headline figure; a smoke run appends none."""
+    import argparse
+    import json
+
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    def run(smoke: bool) -> None:
+        args = argparse.Namespace(
+            out=tmp_path, smoke=smoke, baseline_dir=tmp_path / "none", tolerance=0.25,
+            record_baseline=False, strict=False,
+        )  # fmt: skip
+        result = {"headline": {"x": common.headline(2.5)}, "met": {"x": True}}
+        assert common.finish("demo", result, args, argv=["--rounds", "1"]) == 0
+
+    run(smoke=False)
+    run(smoke=True)
+    (line,) = (tmp_path / "history.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["bench"] == "demo" and record["figures"] == {"x": 2.5}
+    assert record["command"] == "asyncrl bench demo --rounds 1" and record["met"] == {"x": True}
+    assert record["machine"] and record["date"] and "commit" in record
+    assert json.loads((tmp_path / "demo.json").read_text())["machine"]["cpu_model"]
+
+
 def _listed(text: str) -> dict[str, str]:
     """`name  first docstring line` rows of the bench listing."""
     rows = [line.split(None, 1) for line in text.splitlines() if line.startswith("  ")]
