@@ -79,9 +79,10 @@ class DeviceSpec:
         return "gloo" if self.kind == "cpu" else f"cpu:gloo,{self.kind}:{self.backend}"
 
 
-def select_device(device: str | int, kind: str = "cuda") -> None:
-    """Make `device` ("cuda:1", or an index of `kind`) this process's current accelerator:
-    NCCL/HCCL and a DeviceMesh start on the current device. No-op on the CPU."""
+def select_device(device: Any, kind: str = "cuda") -> None:
+    """Make `device` ("cuda:1", a torch.device, or an index of `kind`) the calling thread's
+    current accelerator (each thread has its own; a new one starts on device 0): NCCL/HCCL, a
+    DeviceMesh and allocations that name no device use the current one. No-op on the CPU."""
     import torch
 
     dev = torch.device(kind, device) if isinstance(device, int) else torch.device(device)

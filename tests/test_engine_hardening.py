@@ -221,6 +221,8 @@ def test_every_endpoint_but_health_wants_the_key(server):
 class Source:
     """A WeightSource (the learner's side of a sync): a model's tensors at a version."""
 
+    sync_device = torch.device("cpu")
+
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 

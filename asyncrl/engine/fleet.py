@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import ClusterConfig, WeightSyncConfig, WorkerConfig
-from asyncrl.device import resolve_backend, torch_dtype
+from asyncrl.device import resolve_backend, select_device, torch_dtype
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.health import HealthMonitor
 from asyncrl.engine.launchers import make_launcher
@@ -151,7 +151,7 @@ class EngineFleet:
         if hasattr(self.launcher, "spawn"):  # spawned: wait for each now
             self.handles = [self.launcher.wait_ready(h) for h in self.handles]
         self.clients = [self._client(h.url) for h in self.handles]
-        self._init_group()
+        self._init_group(source.sync_device)
         self.sync(source)
         return done
 
@@ -164,7 +164,10 @@ class EngineFleet:
 
         return self.runner.run(make())
 
-    def _init_group(self) -> None:
+    def _init_group(self, device: Any) -> None:
+        """Form every weight group, rank 0 on `device`: the learner's `sync_device`, read
+        at each group init and sync (the fleet and its senders are made before the learner,
+        so nothing at their construction could know it)."""
         ws = self.ws
         self.backend = resolve_backend(ws.backend, self.launcher.device)  # auto: nccl|hccl|gloo
         for k, (sender, clients) in enumerate(self._groups(eval_engine=True)):
@@ -172,7 +175,7 @@ class EngineFleet:
             port = ws.master_port + k if ws.master_port else None  # the evaluation's: next one
             args = (clients, self.master_address(), port, self.backend)
             self.runner.run(
-                sender.init_group(*args, ws.timeout_s, tp_sizes=tp_sizes),
+                sender.init_group(*args, ws.timeout_s, tp_sizes=tp_sizes, device=device),
                 timeout=ws.timeout_s + 30,
             )
 
@@ -237,7 +240,7 @@ class EngineFleet:
             self.counters["engine_restarts"] += 1
             why = "died" if i in dead else "failed its health checks (cannot generate)"
             print(f"asyncrl: engine {i} {why}; relaunched at {self.handles[i].url}")
-        self._init_group()
+        self._init_group(source.sync_device)
         self.sync(source)
         return True
 
@@ -284,13 +287,16 @@ class EngineFleet:
         the weights as they are now, taken here (the source may train on meanwhile); `then`:
         called on the control loop once every engine holds them, before the future resolves."""
         version, groups = source.version, self._groups(eval_engine)
+        device = source.sync_device  # read now: the learner's, never a thread's current one
+        if copy:  # the copies are taken on this (the caller's) thread: select it there first
+            select_device(device)
         if self.native is not None:
             tensors = _copied(source.adapter_for_sync(), copy)
             clients = [c for _, group in groups for c in group]
             job = self.native.sync(clients, tensors, version, self.pause_mode)
         else:
             copied = _copied(self._tensors(source), True) if copy else None
-            job = self._broadcasts([s for s, _ in groups], source, copied, version)
+            job = self._broadcasts([s for s, _ in groups], source, copied, version, device)
         return asyncio.run_coroutine_threadsafe(self._synced(job, version, then), self.runner.loop)
 
     async def _broadcasts(
@@ -299,17 +305,21 @@ class EngineFleet:
         source: WeightSource,
         copied: list | None,
         version: int,
+        device: Any,
     ) -> SyncStats:
         """Each weight group's sync in turn, of `copied` or else of `source`'s tensors afresh
         for each (the learner's weights_for_sync may gather or merge them one at a time);
-        their stats summed. `version` was read when the sync started (the learner trains on)."""
+        their stats summed. `version` and `device` were read when the sync started (the
+        learner trains on). Runs on the control loop, which selects `device` before the
+        learner's export starts on it (an export may allocate as soon as it is called)."""
         done = []
         for sender in senders:
+            select_device(device)
             tensors = self._tensors(source) if copied is None else copied
             done.append(await sender.sync(
                 tensors, version, bucket_bytes=int(self.ws.bucket_size_mb * 1024**2),
                 load_format=self._load_format(), pause_mode=self.pause_mode,
-                dtype=self._served_dtype(),
+                dtype=self._served_dtype(), device=device,
             ))  # fmt: skip
         seconds, nbytes = sum(d.seconds for d in done), sum(d.bytes for d in done)
         return SyncStats(version, seconds, nbytes, nbytes / max(seconds, 1e-9) / 1e9,

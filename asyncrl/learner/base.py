@@ -37,6 +37,12 @@ class Learner(Checkpointable, Protocol):
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under Hugging Face names, in a stable order (one at a time)."""
 
+    @property
+    def sync_device(self) -> torch.device:
+        """The device `weights_for_sync` yields on (rank 0's): the weight sync stages its
+        buckets there, joins the update group from there, and makes it current on the threads
+        that drive the export (`asyncrl.weights.sync.WeightSource`)."""
+
     def close(self) -> None:
         """Release what the learner started (rank processes, process groups)."""
 

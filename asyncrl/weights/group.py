@@ -39,11 +39,16 @@ import os
 import secrets
 import socket
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from asyncrl.device import select_device
 from asyncrl.net import free_port, route_ip
+
+T = TypeVar("T")
 
 BACKENDS = ("gloo", "nccl", "hccl")
 #: Group names starting so are sealed (see the module docstring); the rest is the secret.
@@ -303,36 +308,31 @@ def broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int = 
         raise GroupError(f"broadcast failed: {msg}") from e
 
 
-def home_device() -> torch.device | None:
-    """This thread's accelerator (the learner's, when read where the learner set it)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        return torch.device("npu", npu.current_device())
-    return None
-
-
-def staging_device(backend: str, home: torch.device | None) -> torch.device:
-    """Where buckets are staged for `backend`: the learner's own device (`home`, read where the
-    sender was made, never on the control or collective threads, which never set a device
-    and would all read device 0)."""
+def staging_device(backend: str, learner: torch.device | None) -> torch.device:
+    """Where buckets are staged for `backend`, which is also the device rank 0 of the update
+    group communicates from: the learner's own device (`learner`, as the learner reports it,
+    never read from a thread's state: the control and collective threads never chose one).
+    None, or a device of another kind (a learner on the CPU feeding NCCL engines): device 0."""
     kind = {"nccl": "cuda", "hccl": "npu"}.get(backend)
     if kind is None:
         return torch.device("cpu")
-    if home is not None and home.type == kind:
-        return home
+    if learner is not None and learner.type == kind:
+        return learner if learner.index is not None else torch.device(kind, 0)
     return torch.device(kind, 0)
 
 
+def on_device(device: torch.device, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` with `device` this thread's current accelerator (`asyncrl.device.
+    select_device`; nothing on the CPU). A thread starts on device 0, and NCCL/HCCL create
+    their communicator and streams on the current device, as do allocations that name none."""
+    select_device(device)
+    return fn(*args)
+
+
 def _use_device_of(tensors: list[torch.Tensor]) -> None:
-    """Make the tensors' accelerator this thread's current device: NCCL/HCCL create their
-    communicator and streams on the current device, and a sender thread starts on device 0."""
-    device = tensors[0].device if tensors else None
-    if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
-    elif device is not None and device.type == "npu":
-        torch.npu.set_device(device)  # type: ignore[attr-defined]
+    """Make the tensors' accelerator this thread's current device (see `on_device`)."""
+    if tensors:
+        select_device(tensors[0].device)
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:

@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from asyncrl.device import select_device
 from asyncrl.net import in_daemon_thread
 from asyncrl.weights.buckets import (
     BucketLayoutError,
@@ -45,7 +46,7 @@ from asyncrl.weights.group import (
     broadcast,
     create_group,
     destroy_group,
-    home_device,
+    on_device,
     rendezvous_port,
     sealed_group_name,
     shown,
@@ -94,10 +95,16 @@ class WeightTarget(Protocol):
 
 
 class WeightSource(Protocol):
-    """What is synced: a learner's version and its full tensors under Hugging Face names."""
+    """What is synced: a learner's version, its full tensors under Hugging Face names, and
+    the device they are on (`sync_device`: where the sync stages them and rank 0 of the
+    update group communicates from; the thread that drives `weights_for_sync` has it made
+    current first, so what the export allocates without naming a device lands there too)."""
 
     @property
     def version(self) -> int: ...
+
+    @property
+    def sync_device(self) -> torch.device: ...
 
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -140,23 +147,23 @@ def _bucket_format(bucket: list[tuple[str, torch.Tensor]]) -> str | None:
 
 
 class WeightSender:
-    """Rank 0 of the weight-update group. `device`: the learner's accelerator (default: the
-    current device of the thread that makes the sender). `seal`: all engines are hf servers; a
-    gloo group then meets under a fresh `sealed_group_name()` (weights/group.py) each time."""
+    """Rank 0 of the weight-update group. `seal`: all engines are hf servers; a gloo group then
+    meets under a fresh `sealed_group_name()` (weights/group.py) each time.
+
+    The learner's device (its `sync_device`) is handed to `init_group` and to every `sync`,
+    never read from the state of the thread that happens to make the sender or run the sync:
+    the buckets are staged there and rank 0 communicates from there, and every thread the
+    sender allocates or communicates on (the control loop's, the collectives' daemon threads)
+    selects it first."""
 
     def __init__(
-        self,
-        *,
-        group_name: str = "asyncrl_weights",
-        timeout_s: float = 120.0,
-        device: torch.device | None = None,
-        seal: bool = False,
+        self, *, group_name: str = "asyncrl_weights", timeout_s: float = 120.0, seal: bool = False
     ) -> None:
-        self._home = device if device is not None else home_device()
         self.group_name, self._plain_name, self._seal = group_name, group_name, seal
         self.timeout_s = timeout_s
         self.engines: list[WeightTarget] = []
         self._group = None
+        self._backend = "gloo"
         self._device = torch.device("cpu")
         self._broken: str | None = None
         self._offsets: dict[str, tuple[int, int]] = {}  # engine url -> its ranks [lo, hi)
@@ -170,8 +177,11 @@ class WeightSender:
         backend: str = "gloo",
         timeout_s: float | None = None,
         tp_sizes: Sequence[int] | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """Form the group: this process is rank 0. Raises WeightSyncError naming failures."""
+        """Form the group: this process is rank 0, on `device` (the learner's `sync_device`;
+        None: device 0 of the backend's kind, see `staging_device`). Raises WeightSyncError
+        naming failures."""
         if self._group is not None:
             await self.close()
         timeout = timeout_s or self.timeout_s
@@ -192,9 +202,11 @@ class WeightSender:
             ): e
             for e, off in zip(engines, offsets)
         }
+        staging = staging_device(backend, device)
         mine = in_daemon_thread(
-            create_group, backend, master_address, port, 0, world, self.group_name, timeout
-        )
+            on_device, staging, create_group,
+            backend, master_address, port, 0, world, self.group_name, timeout,
+        )  # fmt: skip
         try:
             what = f"init of group {shown(self.group_name)!r}"
             await self._wait_all(calls, mine, timeout + 15, what)
@@ -203,7 +215,13 @@ class WeightSender:
             mine.add_done_callback(lambda f: f.exception() or destroy_group(f.result()))
             raise
         self._group, self.engines = mine.result(), list(engines)
-        self._device, self._broken = staging_device(backend, self._home), None
+        self._backend, self._device, self._broken = backend, staging, None
+
+    @property
+    def device(self) -> torch.device:
+        """Where buckets are staged and rank 0 of the group communicates from (the CPU
+        until a group is formed, and for gloo)."""
+        return self._device
 
     async def sync(
         self,
@@ -213,17 +231,23 @@ class WeightSender:
         load_format: str | None = "flattened_bucket",
         pause_mode: str | None = "abort",
         dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> SyncStats:
         """Send full tensors under HF names (floating ones cast to `dtype` if given).
 
         `load_format`: "flattened_bucket", None (one broadcast per tensor) or "auto" (chosen
-        per bucket by `_bucket_format`)."""
+        per bucket by `_bucket_format`). `device`: the learner's `sync_device` now; it must
+        be the one the group was formed on (None: that one)."""
         if self._group is None:
             raise WeightSyncError("no weight update group: call init_group first")
         if self._broken:
             raise WeightSyncError(f"group broken by an earlier failure ({self._broken})")
         if load_format not in (None, "flattened_bucket", "auto"):
             raise WeightSyncError(f"unknown load_format {load_format!r}")
+        self._check_device(device)
+        # This (the control) thread pulls `named_tensors`: a learner's export allocates and
+        # gathers as it yields, and `_prepare` copies onto the staging device.
+        select_device(self._device)
         start, nbytes, nbuckets, ntensors = time.perf_counter(), 0, 0, 0
         what = f"pause({pause_mode})" if pause_mode else "begin update"
         await self._control(lambda e: e.prepare_update(pause_mode, self.timeout_s), what)
@@ -259,6 +283,18 @@ class WeightSender:
         destroy_group(group)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _check_device(self, device: torch.device | None) -> None:
+        """A learner now on another device than the group's rank 0: refused before any call
+        (the group stays usable), since its communicator is bound to the device it formed on."""
+        if device is None:
+            return
+        wanted = staging_device(self._backend, device)
+        if wanted != self._device:
+            raise WeightSyncError(
+                f"the learner's weights are on {device} (staged on {wanted}) but the update "
+                f"group was formed on {self._device}: form the group again (init_group)"
+            )
+
     def _prepare(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         target = dtype if dtype is not None and t.is_floating_point() else t.dtype
         return t.detach().to(device=self._device, dtype=target).contiguous()
@@ -293,6 +329,7 @@ class WeightSender:
         own thread, so the engines' HTTP calls go out while it packs: the engines parse them
         and join the broadcast meanwhile. The staging buffer is free: buckets go one at a
         time, each after the previous one's broadcast returned."""
+        select_device(self._device)  # a fresh thread: on device 0 until told otherwise
         payload = tensors
         if flattened:
             total = flat_layout([t.dtype for t in tensors], [t.shape for t in tensors])[1]

@@ -78,6 +78,9 @@ class MegatronLearner:
                       temperature=temperature, total_steps=total_steps, seed=seed,
                       reference=reference)  # fmt: skip
         self.model_path, self.remotes, self._ray = Path(model_path), [], None
+        # Rank 0 is this process, on device mapping[0] (build.init_distributed selects it on
+        # this thread; the sync's threads select it from here, see Learner.sync_device).
+        self.sync_device = device.torch_device(mapping[0])
         # One host: the ranks meet in a file store in a private directory (no port a local
         # process could join); a lone rank keeps its store in memory (build.init_distributed).
         meet, self._private = RankPlacement().rendezvous() if len(mapping) > 1 else (None, None)

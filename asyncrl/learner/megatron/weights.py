@@ -153,7 +153,10 @@ def export_hf(
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
     params = [dict(unwrap(c).named_parameters()) for c in chunks]
-    dtype = next(iter(params[0].values())).dtype
+    first = next(iter(params[0].values()))
+    # The buffers a stage receives into sit beside this rank's own parameters: never on the
+    # current device of whichever thread drives the export.
+    dtype, device = first.dtype, first.device
     sender = torch.distributed.get_rank() == 0
     for rule in rules(shape, te):
         owner, chunk = owner_chunk(rule, layout)
@@ -163,7 +166,7 @@ def export_hf(
             full = _gather_tp(rule, params[chunk][local].detach(), shape)
         if len(layout) > 1:
             if full is None:
-                full = torch.empty(rule.shape, dtype=dtype, device=torch.cuda.current_device())
+                full = torch.empty(rule.shape, dtype=dtype, device=device)
             torch.distributed.broadcast(full, src=pp_ranks[owner], group=pp_group)
         if sender:
             yield from to_hf(rule, full, shape)

@@ -202,6 +202,11 @@ class DistributedTorchLearner:
         """Full tensors, gathered one at a time from the shards (never the whole model)."""
         return self._gathered(self.local.weights_for_sync())
 
+    @property
+    def sync_device(self) -> torch.device:
+        """Rank 0's device: the full tensors are gathered there."""
+        return self.local.sync_device
+
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """The LoRA adapter's factors, gathered one at a time; None without LoRA."""
         tensors = self.local.adapter_for_sync()

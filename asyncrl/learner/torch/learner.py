@@ -336,6 +336,11 @@ class TorchLearner:
             return lora.merged_tensors(self.model, self.sync_dtype)
         return fsdp.full_tensors(self.model, self.sync_dtype)
 
+    @property
+    def sync_device(self) -> torch.device:
+        """This rank's device, where `weights_for_sync` yields (see `Learner.sync_device`)."""
+        return torch.device(self.device)
+
     def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Only the LoRA adapter (`asyncrl.learner.lora.adapter_tensors`); None without LoRA."""
         return lora.adapter_tensors(self.model) if self.lora else None
