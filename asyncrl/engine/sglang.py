@@ -238,10 +238,22 @@ def router_command(
     Its Prometheus exporter binds loopback on a free port unless `router_args` say otherwise
     (also when the router itself binds every interface, multi-node: the metrics are this
     host's business): sglang-router's default, 0.0.0.0:29000, exposes the metrics and makes a
-    second router on the host fail to start."""
+    second router on the host fail to start.
+
+    The router's own worker health checks are off unless `router_args` sets
+    `disable_health_check: false`: they GET the workers' `/health`, which in SGLang (0.5.6 to
+    0.5.23, `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` on by default) generates a token, so a
+    paused engine answers 503 after `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s) -- later than the
+    router's 5 s check timeout -- and a weight sync longer than its failure window (3 checks,
+    60 s apart) drops every paused worker: requests then get 503 "no available workers" until
+    2 more checks pass. Without them the router keeps every worker for a sync of any length
+    (requests wait in the paused engine, as sent to it directly); a dead worker's requests
+    are retried on another (the router's retries and circuit breaker), and the fleet's own
+    health checks relaunch it on its port (`engine/health.py`)."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
     args = dict(settings.router_args)
+    args.setdefault("disable_health_check", True)
     args.setdefault("prometheus_host", "127.0.0.1")
     if "prometheus_port" not in args:
         args["prometheus_port"] = free_port(str(args["prometheus_host"]))
@@ -377,13 +389,18 @@ class SGLangLauncher:
 
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
         """Where rollout workers send /generate: the router when there is one, else the workers."""
-        wanted = self.settings.router
-        if wanted is False or (wanted == "auto" and len(worker_urls) < 2):
+        if not self.routes(len(worker_urls)):
             return list(worker_urls)
         with self._router_lock:
             if self.router is None or self.router.proc.poll() is not None:
                 self.router = self._start_router(worker_urls)
             return [self.router.url]
+
+    def routes(self, engines: int) -> bool:
+        """Whether rollout workers reach `engines` engines through the router (`router`: true,
+        or auto with more than one)."""
+        wanted = self.settings.router
+        return wanted is True or (wanted == "auto" and engines >= 2)
 
     def _start_router(self, worker_urls: list[str]) -> ServerHandle:
         port = free_port(self.settings.host)
