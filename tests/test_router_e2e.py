@@ -1,7 +1,11 @@
-"""The real sglang-router (the PyPI wheel's native binary, CPU) in front of two asyncrl hf engine
-servers: generation through the router, control calls to each worker, a killed worker that
-is relaunched on its port re-admitted, and the router's Prometheus exporter on loopback and a
-free port (two routers on one host, which sglang-router's default 0.0.0.0:29000 forbids).
+"""The real sglang-router (the PyPI wheel's native binary, CPU) in front of two engine servers:
+asyncrl hf engine servers (generation through the router, control calls to each worker, a
+killed worker that is relaunched on its port re-admitted, the router's Prometheus exporter on
+loopback and a free port: two routers on one host, which sglang-router's default
+0.0.0.0:29000 forbids); fake SGLang servers (tests/fake_sglang) driven by the rollout
+worker's own request path (groups, continuations, evaluation; LoRA on and off), every body
+checked against SGLang's request structs; and engines paused longer than the router's health
+window (a stub that answers /health as a paused SGLang does), which the router must keep.
 
 Skips, saying so, when `sglang_router` is not installed (it is in the `test` extra).
 """
@@ -13,14 +17,23 @@ import importlib.util
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from asyncrl.config.schema import LoggingConfig
+from asyncrl.data.prompts import PromptItem
 from asyncrl.engine import sglang as sl
 from asyncrl.engine.client import EngineClient, EngineError, GenerateRequest
 from asyncrl.engine.hf.launch import launch_hf_server
 from asyncrl.net import free_port
+from asyncrl.rollout.evaluation import Evaluator
+from asyncrl.rollout.settings import RolloutSettings
+from asyncrl.rollout.single_turn import GroupBuilder, generate_continued
+from asyncrl.weights.lora_native import NativeLoraSync
 from tests.test_hf_server import make_tiny_model
+from tests.test_lora_native import _tensors, start_lora_fake
+from tests.test_sglang_backend import state
 
 pytestmark = [
     pytest.mark.timing,
@@ -32,10 +45,10 @@ pytestmark = [
 SETTINGS = sl.SGLangSettings.parse({"router_policy": "round_robin"})
 
 
-def start_router(urls: list[str], tmp_path: Path):
+def start_router(urls: list[str], tmp_path: Path, settings: sl.SGLangSettings = SETTINGS):
     """As `SGLangLauncher._start_router`: the command asyncrl builds, healthy or an error."""
     port = free_port()
-    cmd = sl.router_command(urls, port, SETTINGS)
+    cmd = sl.router_command(urls, port, settings)
     log = tmp_path / f"router_{port}.log"
     handle = sl.start_process(cmd, {}, f"http://127.0.0.1:{port}", log)
     return sl.wait_healthy(handle, "/health", 60, "sglang router"), cmd
@@ -102,3 +115,77 @@ def test_real_router_routes_readmits_a_relaunched_worker_and_exports_on_loopback
             handle.stop()
         for w in workers:
             w.stop()
+
+
+# ---- the rollout worker's request path through the router --------------------------------------
+def generate_calls(url: str) -> list[dict]:
+    return [body for path, body in state(url)["calls"] if path == "/generate"]
+
+
+def test_real_router_answers_the_rollout_workers_batched_and_single_requests(tmp_path, tiny_model):
+    """Groups (`generate`, n samples each, several prompts at once), a continuation
+    (`generate_one`) and evaluation: every request answered 200 through the real router, with
+    and without LoRA. sglang-router types `sampling_params`, `return_logprob`, `rid` and
+    `extra_key` as single values: a worker's client made with the fleet's `routed()` sends one
+    request per sample, each reaching a worker with its cache namespace and adapter."""
+    fakes = [start_lora_fake(tmp_path, "0.5.23") for _ in range(2)]
+    router = None
+    try:
+        urls = [f.url for f in fakes]
+        router, _ = start_router(urls, tmp_path)
+        asyncio.run(refused_batch(router.url))  # why router=True exists
+        for lora in (False, True):
+            asyncio.run(rollout_through(router.url, urls, tmp_path, tiny_model, lora))
+        calls = [generate_calls(u) for u in urls]
+        assert all(calls), "both workers serve"
+        bodies = [b for c in calls for b in c]
+        probes = [b for b in bodies if b["input_ids"] == [0]]  # LoRA's `refresh_lora`
+        evals = [b for b in bodies if "priority" in b]  # on each engine, as the fleet's clients
+        rollout = [b for b in bodies if b not in probes and b not in evals]
+        assert len(rollout) == 2 * (3 * 3 + 1)  # per pass: 3 groups of 3, 1 continuation
+        for body in rollout:  # the single form, one sample each
+            assert isinstance(body["input_ids"][0], int) and isinstance(body["extra_key"], str)
+        assert [b.get("lora_path") for b in rollout].count("asyncrl-v0") == 10  # LoRA's pass
+        assert len(evals) == 4 and all(isinstance(b["input_ids"][0], list) for b in evals)
+        assert all(isinstance(b["extra_key"], str) for b in evals)  # never a list: SGLang < 0.5.15
+        assert [state(u)["violations"] for u in urls] == [[], []]
+    finally:
+        if router is not None:
+            router.stop()
+        for f in fakes:
+            f.stop()
+
+
+async def refused_batch(router: str) -> None:
+    async with EngineClient(router, timeout=30) as client:
+        with pytest.raises(EngineError, match="HTTP 422.*sampling_params"):
+            await client.generate([GenerateRequest([3], {"sampling_seed": i}) for i in range(2)])
+
+
+async def rollout_through(
+    router: str, urls: list[str], tmp_path: Path, model: Path, lora: bool
+) -> None:
+    """What a rollout worker (through the router) and the evaluator (on each engine) send."""
+    direct = [EngineClient(u, timeout=30, lora=lora) for u in urls]  # the fleet's clients
+    settings = RolloutSettings(
+        [router], "127.0.0.1", 1, str(model), n=3, response_length=3, engine_router=True,
+        engine_lora=lora,
+    )  # fmt: skip
+    builder = GroupBuilder(settings)
+    try:
+        if lora:  # the engines hold adapter asyncrl-v0 before any request names it
+            await NativeLoraSync(tmp_path / "lora", timeout_s=30).sync(direct, _tensors(), 0, None)
+        items = [PromptItem(f"p{i}", [3, 4 + i], "1+1", {"answer": "2"}) for i in range(3)]
+        groups = await asyncio.gather(*(builder.build(it) for it in items))
+        assert [list(g.response_lengths) for g in groups] == [[3, 3, 3]] * 3
+        request = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}
+        (client,) = builder.clients
+        done = await generate_continued(client, request, 2)  # a continuation: generate_one
+        assert len(done.output_ids) == 2
+        fleet = SimpleNamespace(clients=direct, eval_clients=lambda: direct, eval_index=None)
+        ev = Evaluator(LoggingConfig(eval_priority=-1), 10, items, settings, fleet)
+        outs, _ = await ev._generate(direct, 0, await ev._pin(direct, 0))
+        assert len(outs) == 3
+    finally:
+        for c in [*direct, *builder.clients]:
+            await c.close()
