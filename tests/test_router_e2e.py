@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import threading
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from aiohttp import web
 
 from asyncrl.config.schema import LoggingConfig
 from asyncrl.data.prompts import PromptItem
@@ -189,3 +193,128 @@ async def rollout_through(
     finally:
         for c in [*direct, *builder.clients]:
             await c.close()
+
+
+# ---- a weight sync longer than the router's health window --------------------------------------
+REPLY = {
+    "output_ids": [5],
+    "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "1", "prompt_tokens": 1},
+}
+
+
+class PausedSGLang:
+    """The edge: an engine that answers as SGLang (0.5.6 to 0.5.23) does around a pause. Its
+    `/health` and `/health_generate` generate a token (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`
+    on by default), so while paused they wait up to `hold_s` (`SGLANG_HEALTH_CHECK_TIMEOUT`,
+    20 s) and answer 503; /generate arrivals wait in the tokenizer manager until
+    /continue_generation. Served on a thread of its own (`held`: /generate calls waiting)."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s, self.held = hold_s, 0
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self._loop = asyncio.new_event_loop()
+        self._up = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._up.wait(30), "stub engine did not start"
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self.running = asyncio.Event()
+        self.running.set()
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/pause_generation", self.control)
+        app.router.add_post("/continue_generation", self.control)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        port = int(self.url.rsplit(":", 1)[1])
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", port).start())
+        self._up.set()
+        self._loop.run_forever()
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(self.running.wait(), self.hold_s)
+        except TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        await request.json()
+        self.held += not self.running.is_set()
+        await self.running.wait()
+        return web.json_response(REPLY)
+
+    async def control(self, request: web.Request) -> web.Response:
+        paused = request.path == "/pause_generation"
+        (self.running.clear if paused else self.running.set)()
+        return web.json_response({"message": "ok", "status": "ok"})
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def worker_health(router: str) -> list[bool]:
+    """The router's view of its workers (sglang-router's GET /workers), in URL order."""
+    with urllib.request.urlopen(router + "/workers", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    return [w["is_healthy"] for w in sorted(workers, key=lambda w: w["url"])]
+
+
+async def until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
+        await asyncio.sleep(0.05)  # polling another process's state, bounded by the deadline
+
+
+def test_the_router_keeps_every_worker_through_a_sync_longer_than_its_health_window(tmp_path):
+    """Two routers with a short health window (checks every 1 s, out after 1 failure): the
+    command asyncrl builds (`router_command`: the checks off unless `disable_health_check:
+    false`) and one with them on. Both engines paused, as a weight sync pauses them, until
+    the window has dropped them from the second router: ours still holds both, a request sent
+    to it mid-sync waits in the engines and is answered 200 once they continue; the other
+    answers 503 "no available workers" meanwhile."""
+    engines = [PausedSGLang(hold_s=5) for _ in range(2)]
+    window = {"health_check_interval_secs": 1, "health_failure_threshold": 1,
+              "health_success_threshold": 1, "health_check_timeout_secs": 1}  # fmt: skip
+    checked = sl.SGLangSettings.parse({"router_args": {**window, "disable_health_check": False}})
+    with pytest.raises(sl.SGLangConfigError, match="disable_health_check: false"):
+        sl.SGLangSettings.parse({"router_args": window})  # checks that are off: refused
+    ours = replace(SETTINGS, router_args=window)  # the same window, the checks left as asyncrl's
+    routers = []
+    try:
+        urls = [e.url for e in engines]
+        routers = [start_router(urls, tmp_path, ours)[0], start_router(urls, tmp_path, checked)[0]]
+        asyncio.run(sync_through(engines, *(r.url for r in routers)))
+    finally:
+        for handle in routers:
+            handle.stop()
+        for e in engines:
+            e.stop()
+
+
+async def sync_through(engines: list[PausedSGLang], ours: str, checked: str) -> None:
+    req = GenerateRequest([3], {"max_new_tokens": 1}, return_logprob=False)
+    control = [EngineClient(e.url, control_timeout=10) for e in engines]  # the fleet's clients
+    async with EngineClient(ours, timeout=60, router=True) as worker:
+        await until(lambda: worker_health(checked) == [True, True], "checked router ready")
+        for client in control:  # the sync starts: every engine paused
+            await client.pause("in_place")
+        await until(lambda: worker_health(checked) == [False, False], "the window drops them")
+        assert worker_health(ours) == [True, True]
+        async with EngineClient(checked, timeout=30, router=True) as other:
+            with pytest.raises(EngineError, match="HTTP 503"):
+                await other.generate_one(req)
+        pending = asyncio.ensure_future(worker.generate([req, req]))
+        await until(lambda: sum(e.held for e in engines) == 2, "both requests reach the engines")
+        assert not pending.done()
+        for client in control:  # the sync ends
+            await client.resume()
+            await client.close()
+        assert [c.version for c in await pending] == [1, 1]

@@ -153,7 +153,7 @@ class SGLangSettings:
             server_urls=[u.rstrip("/") for u in urls],
             router=own.get("router", "auto"),
             router_policy=str(own.get("router_policy", "cache_aware")),
-            router_args=dict(own.get("router_args") or {}),
+            router_args=checked_router_args(own.get("router_args")),
             launch_timeout_s=float(own.get("launch_timeout_s", 900.0)),
             host=str(own.get("host", "127.0.0.1")),
             env={str(k): str(v) for k, v in (own.get("env") or {}).items()},
@@ -258,6 +258,20 @@ def router_command(
     if "prometheus_port" not in args:
         args["prometheus_port"] = free_port(str(args["prometheus_host"]))
     return cmd + to_flags(args) + (["--api-key", api_key] if api_key else [])
+
+
+def checked_router_args(args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`router_args`, refused where they tune the router's worker health checks while those
+    are off (`router_command`): they would do nothing."""
+    out = dict(args or {})
+    tuned = sorted(str(k) for k in out if str(k).startswith("health_"))
+    if tuned and out.get("disable_health_check", True) is not False:
+        raise SGLangConfigError(
+            f"strategy_config.router_args.{tuned[0]} tunes the router's worker health checks, "
+            "which asyncrl turns off (a paused SGLang engine fails them, and the router drops "
+            "it during a weight sync); set router_args.disable_health_check: false to use them"
+        )
+    return out
 
 
 def engine_devices(device_mapping: Sequence[int], tp_size: int) -> list[list[int]]:
