@@ -252,8 +252,7 @@ def router_command(
     health checks relaunch it on its port (`engine/health.py`)."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
-    args = dict(settings.router_args)
-    args.setdefault("disable_health_check", True)
+    args = {"disable_health_check": True, **settings.router_args}
     args.setdefault("prometheus_host", "127.0.0.1")
     if "prometheus_port" not in args:
         args["prometheus_port"] = free_port(str(args["prometheus_host"]))
