@@ -160,6 +160,40 @@ def test_real_router_answers_the_rollout_workers_batched_and_single_requests(tmp
             f.stop()
 
 
+@pytest.mark.parametrize(
+    ("router", "devices", "dedicated", "routed"),
+    [("auto", "[0]", False, False), ("auto", "[0,1]", False, True), (False, "[0,1]", False, False),
+     (True, "[0]", False, True), ("auto", "[0,1]", True, False)],
+)  # fmt: skip
+def test_the_fleet_says_whether_rollout_workers_reach_a_router(
+    tmp_path, router, devices, dedicated, routed
+):
+    """`EngineFleet.routed` (what `Startup.settings` hands rollout workers as
+    `RolloutSettings.engine_router`) is true exactly when `urls_for_worker` is the router:
+    SGLang with `router: true`, or auto with more than one rollout engine (a dedicated
+    evaluation engine is not one); never on hf_infer."""
+    from asyncrl.engine.fleet import EngineFleet
+    from asyncrl.net import AsyncRunner
+    from tests.test_sglang_backend import infer_cfg
+
+    cfg = infer_cfg(tmp_path, tp=1, devices=devices, router=router)
+    runner = AsyncRunner()
+    try:
+        fleet = EngineFleet(
+            cfg.actor_infer, cfg.weight_sync, "abort", tmp_path, tmp_path, seed=0,
+            request_timeout_s=5.0, runner=runner, dedicated_eval=dedicated,
+        )  # fmt: skip
+        assert fleet.routed() is routed
+        cfg.actor_infer.strategy_args.strategy_name = "hf_infer"
+        hf = EngineFleet(
+            cfg.actor_infer, cfg.weight_sync, "abort", tmp_path, tmp_path, seed=0,
+            request_timeout_s=5.0, runner=runner,
+        )  # fmt: skip
+        assert hf.routed() is False
+    finally:
+        runner.close()
+
+
 async def refused_batch(router: str) -> None:
     async with EngineClient(router, timeout=30) as client:
         with pytest.raises(EngineError, match="HTTP 422.*sampling_params"):
