@@ -108,7 +108,7 @@ class WorkerStart:
         fleet, host = self.fleet, self.cfg.rollout.transport_host
         urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
         made = rollout_settings(self.cfg, self.model_dir, urls, self.receiver.port, self.secret,
-                                fleet.api_key, self.tokenizer_class)  # fmt: skip
+                                fleet.api_key, self.tokenizer_class, fleet.routed())  # fmt: skip
         if fleet.multinode:  # workers on other nodes reach the receiver at this node's address
             made = dataclasses.replace(made, transport_host=advertised_host(host))
         return made
@@ -207,10 +207,12 @@ def rollout_settings(
     transport_secret: bytes | None = None,
     engine_api_key: str | None = None,
     tokenizer_class: str = "",
+    engine_router: bool = False,
 ) -> RolloutSettings:
     """A rollout worker's own sub-config: the run config's sections, passed whole, the run's
-    secrets (the transport's secret, the engines' API key; None: none) and the tokenizer's
-    class as the driver resolved it ('': the worker resolves it)."""
+    secrets (the transport's secret, the engines' API key; None: none), the tokenizer's
+    class as the driver resolved it ('': the worker resolves it) and whether `engine_urls` is
+    a router."""
     host = cfg.rollout.transport_host
     return RolloutSettings(
         engine_urls=engine_urls,
@@ -227,6 +229,7 @@ def rollout_settings(
         seed=cfg.seed,
         transport_secret=transport_secret,
         engine_api_key=engine_api_key,
+        engine_router=engine_router,
         engine_lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir)
         is not None,
     )

@@ -18,6 +18,7 @@ from asyncrl.engine.client import (
     EngineTimeoutError,
     GenerateRequest,
 )
+from asyncrl.engine.replies import generate_body
 from asyncrl.net import free_port
 
 GOOD = {
@@ -112,8 +113,74 @@ def test_a_group_is_one_batched_request_in_sglangs_list_form():
         assert body["sampling_params"] == [{"sampling_seed": 1}, {"max_new_tokens": 3}]
         assert body["return_logprob"] == [True, True] and body["logprob_start_len"] == -1
         assert body["rid"][0] == "a" and len(body["rid"]) == 2  # one per item, or none
-        assert body["extra_key"] == ["asyncrl-w0", "asyncrl-w0"]
+        assert body["extra_key"] == "asyncrl-w0"  # one string per body (see below)
         assert await client.generate([]) == [] and len(fake.bodies) == 1  # nothing sent
+
+    asyncio.run(with_fake(test))
+
+
+def test_a_batched_body_carries_one_extra_key_string_split_by_request_namespace():
+    """SGLang before 0.5.15 hands each item of a batch the whole `extra_key` list, which its
+    radix cache cannot hash: a batched body carries one string, so requests with namespaces of
+    their own go in one body per namespace, and each caller gets its replies in order."""
+
+    async def test(fake, client):
+        fake.reply = [GOOD, GOOD]
+        reqs = [
+            GenerateRequest([1], extra_key="x"),
+            GenerateRequest([2]),
+            GenerateRequest([3], extra_key="x"),
+            GenerateRequest([4]),
+        ]
+        outs = await client.generate(reqs)
+        assert len(outs) == 4 and len(fake.bodies) == 2
+        bodies = {b["extra_key"]: b["input_ids"] for _, b in fake.bodies}
+        assert bodies == {"x": [[1], [3]], "asyncrl-w0": [[2], [4]]}
+
+    asyncio.run(with_fake(test))
+
+
+def test_generate_body_is_the_exact_body_and_refuses_mixed_namespaces():
+    reqs = [GenerateRequest([1], {"temperature": 0.5}, rid="a"), GenerateRequest([2])]
+    body = generate_body(reqs, True, "asyncrl-w3", "asyncrl-v3", {"priority": 2})
+    assert body == {
+        "input_ids": [[1], [2]],
+        "sampling_params": [{"temperature": 0.5}, {}],
+        "return_logprob": [True, True],
+        "logprob_start_len": -1,
+        "rid": ["a", body["rid"][1]],
+        "priority": 2,
+        "extra_key": "asyncrl-w3",
+        "lora_path": "asyncrl-v3",
+    }
+    single = generate_body(reqs[1:], False, "asyncrl-w0")
+    assert single == {
+        "input_ids": [2], "sampling_params": {}, "return_logprob": True,
+        "logprob_start_len": -1, "extra_key": "asyncrl-w0",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="several extra_keys"):
+        generate_body([reqs[0], GenerateRequest([3], extra_key="x")], True, "asyncrl-w0")
+    with pytest.raises(ValueError, match="single /generate of 2"):
+        generate_body(reqs, False, "asyncrl-w0")
+
+
+def test_through_a_router_a_group_is_one_single_form_request_per_sample():
+    """sglang-router's /generate takes only the single form: a client made with router=True
+    sends each request alone (concurrently), with its keys; replies come back in order."""
+
+    async def test(fake, _client):
+        async with EngineClient(_client.url, timeout=3, router=True) as client:
+            reqs = [GenerateRequest([i], {"sampling_seed": i}) for i in range(3)]
+            outs = await asyncio.gather(client.generate(reqs, priority=5), client.generate([]))
+            assert [len(o) for o in outs] == [3, 0] and len(fake.bodies) == 3
+            bodies = sorted((b for _, b in fake.bodies), key=lambda b: b["input_ids"])
+            for i, body in enumerate(bodies):
+                assert body["input_ids"] == [i] and body["sampling_params"] == {"sampling_seed": i}
+                assert body["return_logprob"] is True and body["priority"] == 5
+                assert body["extra_key"] == "asyncrl-w0"
+            fake.status, fake.delay = 500, 0.2
+            with pytest.raises(EngineError, match="HTTP 500"):
+                await client.generate(reqs)
 
     asyncio.run(with_fake(test))
 

@@ -121,3 +121,13 @@ def test_the_client_merges_a_workers_groups_into_one_post_and_checks_each_reply_
         assert [b.get("priority") for _, b in fake.bodies[1:]] == [1, None]  # keys differ
 
     asyncio.run(with_fake(test))
+
+
+def test_groups_of_other_namespaces_are_not_merged_so_each_body_has_one_extra_key():
+    async def test(fake, client):
+        fake.reply = [GOOD]
+        own = [{"input_ids": [3], "extra_key": "mine"}]
+        await asyncio.gather(client.generate(own), client.generate([{"input_ids": [4]}]))
+        assert sorted(b["extra_key"] for _, b in fake.bodies) == ["asyncrl-w0", "mine"]
+
+    asyncio.run(with_fake(test))

@@ -404,7 +404,7 @@ def test_info_and_weight_version_endpoints(server):
         assert status == 200 and info["is_generation"] and "weight_version" in info
         assert (await c._call("GET", "/server_info"))[1]["version"] == "asyncrl-hf"
         await c.update_weight_version(41)
-        assert await c.get_weight_version() == "41"
+        assert (await c._call("GET", "/get_weight_version"))[1] == {"weight_version": "41"}
         out = await c.generate_one(GenerateRequest([3], {"max_new_tokens": 2}))
         assert out.weight_version == "41" and out.version == 41
         await c.update_weight_version("default")

@@ -80,7 +80,8 @@ def test_server_and_router_commands_from_config(tmp_path):
     assert router[:-1] == [
         sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1",
         "http://b:2", "--policy", "round_robin", "--host", "127.0.0.1", "--port", "9000",
-        "--balance-abs-threshold", "8", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+        "--disable-health-check", "--balance-abs-threshold", "8",  # see router_command
+        "--prometheus-host", "127.0.0.1", "--prometheus-port",
     ]  # fmt: skip
     # the exporter: loopback and a free port (sglang-router's default 0.0.0.0:29000 clashes)
     assert router[-1].isdigit() and router[-1] != "29000"

@@ -151,7 +151,6 @@ def test_sync_plain_and_flattened_updates_weights_and_version(server):
                 assert stats.buckets > 1 and stats.tensors == len(list(model.parameters()))
                 assert stats.bytes >= nbytes and stats.version == version
                 assert await greedy_matches(client, model) == str(version)
-                assert await client.get_weight_version() == str(version)
             # a bad bucket is refused whole and leaves the model as it was
             with pytest.raises(WeightSyncError, match=server.url):
                 await sender.sync([("model.nope.weight", torch.zeros(3))], version=4)

@@ -17,6 +17,13 @@ SGLang's native LoRA (`lora_sync: native`, `weights/lora_native.py`; a client ma
 version N the engine reported (reported only once every engine holds it). A request runs
 wholly on the adapter it named: its tokens get that version, whatever the engine reports at
 the end. A refused adapter (unloaded meanwhile): ask the version again, retry once.
+
+Through an sglang-router (a client made with `router=True`): the router's `/generate` takes
+only SGLang's single form (sglang-router 0.3.2 types `sampling_params`, `return_logprob`, `rid`
+and `extra_key` as single values and answers 422 to a list), so `generate` sends each request
+as its own /generate, concurrently, as slime does: the router spreads them over its workers
+(cache_aware keeps a group's shared prompt on one worker's prefix cache), and each worker's
+scheduler batches them again.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -50,6 +57,7 @@ from asyncrl.weights.lora_names import adapter_name
 
 __all__ = ["FINISH_TYPES", "Completion", "EngineClient", "EngineError", "EngineReplyError"]
 __all__ += ["EngineTimeoutError", "GenerateRequest", "cache_namespace", "parse_completion"]
+Out = TypeVar("Out")
 #: How often `prepare_update` asks for a cache flush while the engine drains.
 FLUSH_POLL_S = 0.2
 
@@ -66,7 +74,9 @@ class EngineClient:
 
     `api_key`: the engine's shared secret (SGLang's `--api-key`), sent on every call as
     `Authorization: Bearer <api_key>`; None sends no header (an engine without a key).
-    `lora`: generate on asyncrl's LoRA adapters (`lora_sync: native`, see above)."""
+    `lora`: generate on asyncrl's LoRA adapters (`lora_sync: native`, see above).
+    `router`: `url` is an sglang-router: `generate` sends one single-form request per sample
+    (see above); the fleet says so (`EngineFleet.routed`), never guessed from a reply."""
 
     def __init__(
         self,
@@ -77,8 +87,10 @@ class EngineClient:
         max_connections: int = 256,
         api_key: str | None = None,
         lora: bool = False,
+        router: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
+        self.router = router
         self.timeout = timeout
         self.control_timeout = control_timeout
         self._max_connections = max_connections
@@ -89,7 +101,8 @@ class EngineClient:
         self._profile: EngineProfile | None = None
         self._lora: int | None = None  # the adapter version requests name; None: no LoRA
         self._lora_known = not lora  # whether the engine was asked for its adapters yet
-        # `generate` calls of one event-loop turn (a worker's groups) share one /generate
+        # `generate` calls of one event-loop turn (a worker's groups) with the same keys and
+        # extra_key share one /generate (never through a router: it takes no batch)
         self._batches: Coalescer[GenerateRequest, tuple[object, int | None]] = Coalescer(
             self._post_generate, refused_request
         )
@@ -165,8 +178,10 @@ class EngineClient:
         scheduling priority (larger first; honoured by SGLang only with
         `--enable-priority-scheduling`, always by the hf server); None sends none. `pin`: as
         `generate`'s."""
-        request = as_request(self.url, req)
-        (item,), lora = await self._post([request], False, _keys(priority, pin))
+        return await self._one(as_request(self.url, req), _keys(priority, pin))
+
+    async def _one(self, request: GenerateRequest, keys: dict[str, Any]) -> Completion:
+        (item,), lora = await self._post([request], False, keys)
         return self._completion(item, request, lora)
 
     async def generate(
@@ -177,18 +192,30 @@ class EngineClient:
         pin: int | None = None,
     ) -> list[Completion]:
         """The requests as ONE batched /generate (SGLang's list form of `input_ids`, with
-        per-item `sampling_params`, `return_logprob`, `rid` and `extra_key`): one HTTP round
-        trip and one parse for a whole group instead of one per sample, shared with the other
-        `generate` calls of this event-loop turn with the same keys (`coalesce.py`: a worker's
-        groups). The engine schedules every item as its own request; the replies come back in
-        order, each checked alone. `pin`: only weight version `pin` may serve them (engines
-        whose profile has `pinned_versions`; see `versions.PIN_KEY`)."""
+        per-item `sampling_params`, `return_logprob` and `rid`, and one `extra_key`): one HTTP
+        round trip and one parse for a whole group instead of one per sample, shared with the
+        other `generate` calls of this event-loop turn with the same keys (`coalesce.py`: a
+        worker's groups). Requests with different `extra_key`s go in one body per key. The
+        engine schedules every item as its own request; the replies come back in order, each
+        checked alone. Through a router (`router`): one single-form /generate per request,
+        concurrently. `pin`: only weight version `pin` may serve them (engines whose profile
+        has `pinned_versions`; see `versions.PIN_KEY`)."""
         reqs = [as_request(self.url, r) for r in requests]
-        if not reqs:
-            return []
         keys = _keys(priority, pin)
-        key = (id(asyncio.get_running_loop()), tuple(sorted(keys.items())))
-        replies = await self._batches.submit(key, reqs)  # merged with this turn's others
+        if self.router:
+            return await _all(self._one(r, keys) for r in reqs)
+        by_key: dict[str | None, list[int]] = {}  # extra_key -> the indices of its requests
+        for i, r in enumerate(reqs):
+            by_key.setdefault(r.extra_key, []).append(i)
+        turn = (id(asyncio.get_running_loop()), tuple(sorted(keys.items())))
+        parts = await _all(  # merged with this turn's others of the same keys and extra_key
+            self._batches.submit((*turn, extra), [reqs[i] for i in idx])
+            for extra, idx in by_key.items()
+        )
+        replies: list[Any] = [None] * len(reqs)
+        for idx, part in zip(by_key.values(), parts):
+            for i, reply in zip(idx, part):
+                replies[i] = reply
         return [self._completion(d, r, lora) for (d, lora), r in zip(replies, reqs)]
 
     async def _post_generate(self, key: Any, reqs: list[GenerateRequest]) -> list[tuple]:
@@ -200,14 +227,15 @@ class EngineClient:
     async def _post(
         self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any]
     ) -> tuple[list[object], int | None]:
-        """POST /generate with every body key each request needs: the cache namespace of the
-        requests without an `extra_key` of their own, the priority, the adapter; a refused
-        adapter is retried once on the engine's new one. The reply items, unchecked, and the
-        adapter version they ran on."""
+        """POST /generate (`generate_body`) with every body key the requests need: the cache
+        namespace of those without an `extra_key` of their own, the priority, the adapter; a
+        refused adapter is retried once on the engine's new one. The reply items, unchecked,
+        and the adapter version they ran on."""
         lora, t = await self._current_lora(), self.timeout  # generation: not control_timeout
-        body = generate_body(reqs, batched) | keys
         try:
-            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs), t)
+            data = await self._call_ok(
+                "POST", "/generate", self._body(reqs, batched, keys, lora), t
+            )
         except EngineError as e:
             if lora is None or "lora" not in e.problem.lower():
                 raise
@@ -215,16 +243,19 @@ class EngineClient:
             if self._lora in (None, lora):
                 raise
             lora = self._lora
-            data = await self._call_ok("POST", "/generate", self._routed(body, lora, reqs), t)
+            data = await self._call_ok(
+                "POST", "/generate", self._body(reqs, batched, keys, lora), t
+            )
         return (batch_items(self.url, data, len(reqs)) if batched else [data]), lora
 
-    def _routed(self, body: dict, lora: int | None, reqs: list[GenerateRequest]) -> dict:
-        own = cache_namespace(self.seen_version if lora is None else lora)
-        keys = [r.extra_key or own for r in reqs]
-        body = {**body, "extra_key": keys if isinstance(body["input_ids"][0], list) else keys[0]}
-        if lora is not None:
-            body["lora_path"] = adapter_name(lora)
-        return body
+    def _body(
+        self, reqs: list[GenerateRequest], batched: bool, keys: dict[str, Any], lora: int | None
+    ) -> dict:
+        """`generate_body` of `reqs` in this client's cache namespace (its adapter's version
+        with LoRA, else the newest weight version it knows the engine holds)."""
+        namespace = cache_namespace(self.seen_version if lora is None else lora)
+        lora_path = None if lora is None else adapter_name(lora)
+        return generate_body(reqs, batched, namespace, lora_path, keys)
 
     def _completion(self, data: object, req: GenerateRequest, lora: int | None) -> Completion:
         completion = parse_completion(self.url, data, req.return_logprob)
@@ -325,12 +356,6 @@ class EngineClient:
             return False
         return status == 200
 
-    async def get_weight_version(self) -> str:
-        data = await self._call_ok("GET", "/get_weight_version")
-        if not isinstance(data, dict) or "weight_version" not in data:
-            raise EngineReplyError(self.url, f"/get_weight_version reply: {one_line(data)}")
-        return str(data["weight_version"])
-
     async def update_weight_version(
         self, version: int | str, abort_all_requests: bool = False
     ) -> str:
@@ -430,3 +455,15 @@ def _keys(priority: int | None, pin: int | None) -> dict[str, Any]:
     """/generate keys beyond the requests' own: SGLang's `priority`, the hf server's pin."""
     keys: dict[str, Any] = {} if priority is None else {"priority": priority}
     return keys if pin is None else {**keys, PIN_KEY: str(pin)}
+
+
+async def _all(calls: Iterable[Awaitable[Out]]) -> list[Out]:
+    """Every call's result, in order; the first failure cancels the others (their connections
+    closed: the engine aborts those requests) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

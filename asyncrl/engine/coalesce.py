@@ -12,6 +12,9 @@ bad request fails that caller alone; any other failure (timeout, connection, 5xx
 breaks the protocol) is every caller's, as it would have been had each sent its own. A
 caller that is cancelled drops its share; the request is cancelled (its connection closed,
 which the engine reads as an abort) once every caller of it is gone.
+
+The client keys calls by their body keys and `extra_key` (one namespace per body), and does
+not coalesce through an sglang-router, whose /generate takes no batch (`client.py`).
 """
 
 from __future__ import annotations

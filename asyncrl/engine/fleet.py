@@ -215,6 +215,11 @@ class EngineFleet:
         shift = index % len(urls)
         return urls[shift:] + urls[:shift]
 
+    def routed(self) -> bool:
+        """Whether `urls_for_worker` is a router (its /generate takes no batch: rollout
+        workers' clients are made with `router=True`)."""
+        return self.launcher.routes(len(self._rollout_engines()))
+
     def eval_clients(self) -> list[EngineClient]:
         """The clients evaluation sends its requests through: the dedicated evaluation
         engine's alone, else every engine's (shared with rollout, at evaluation's priority)."""

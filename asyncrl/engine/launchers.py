@@ -30,6 +30,10 @@ class EngineLauncher(Protocol):
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
         """The URLs rollout workers generate through (a router, or the engines)."""
 
+    def routes(self, engines: int) -> bool:
+        """Whether `actor_urls` of `engines` engines is a router (whose /generate takes no
+        batch: `EngineClient(router=True)`)."""
+
     def close(self) -> None:
         """Stop what the launcher started besides the engines (the router)."""
 

@@ -199,6 +199,9 @@ class PlacedLauncher:
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
         return self.local.actor_urls(worker_urls)  # the router, if any, runs on the driver
 
+    def routes(self, engines: int) -> bool:
+        return self.local.routes(engines)
+
     def close(self) -> None:
         self.local.close()
         for actor in self.actors:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 FINISH_TYPES = ("stop", "length", "abort")
 
@@ -231,9 +232,28 @@ def batch_items(url: str, data: object, n: int) -> list:
     return data
 
 
-def generate_body(reqs: list[GenerateRequest], batched: bool) -> dict:
-    """The /generate body of `reqs`: SGLang's list form (a value per item) when `batched`,
-    else the single form of the one request. SGLang wants one `rid` per item, or none."""
+def generate_body(
+    reqs: Sequence[GenerateRequest],
+    batched: bool,
+    namespace: str,
+    lora_path: str | None = None,
+    keys: Mapping[str, Any] | None = None,
+) -> dict:
+    """The exact /generate body `EngineClient` sends for `reqs`: SGLang's list form (a value
+    per item) when `batched`, else the single form of the one request. SGLang wants one `rid`
+    per item, or none.
+
+    `namespace`: the prefix-cache namespace (`extra_key`) of requests without one of their own.
+    A body carries ONE `extra_key` string, batched too: SGLang before 0.5.15 hands each item of
+    a batch the whole `extra_key` list (`GenerateReqInput.__getitem__`), which its radix cache
+    cannot hash; so the requests of a batched body must share one (the client splits a batch
+    by it). `lora_path`: the adapter every item runs on (None: the base model); `keys`: the
+    body's further keys (SGLang's `priority`, the hf server's pin)."""
+    if not reqs or (not batched and len(reqs) != 1):
+        raise ValueError(f"a {'batched' if batched else 'single'} /generate of {len(reqs)}")
+    extra_keys = {r.extra_key or namespace for r in reqs}
+    if len(extra_keys) > 1:
+        raise ValueError(f"one /generate body with several extra_keys: {sorted(extra_keys)}")
 
     def each(value: Callable[[GenerateRequest], object]) -> object:
         return [value(r) for r in reqs] if batched else value(reqs[0])
@@ -246,4 +266,8 @@ def generate_body(reqs: list[GenerateRequest], batched: bool) -> dict:
     }
     if any(r.rid is not None for r in reqs):
         body["rid"] = each(lambda r: r.rid or uuid.uuid4().hex)
+    body |= dict(keys or {})
+    body["extra_key"] = extra_keys.pop()
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     return body

@@ -153,7 +153,7 @@ class SGLangSettings:
             server_urls=[u.rstrip("/") for u in urls],
             router=own.get("router", "auto"),
             router_policy=str(own.get("router_policy", "cache_aware")),
-            router_args=dict(own.get("router_args") or {}),
+            router_args=checked_router_args(own.get("router_args")),
             launch_timeout_s=float(own.get("launch_timeout_s", 900.0)),
             host=str(own.get("host", "127.0.0.1")),
             env={str(k): str(v) for k, v in (own.get("env") or {}).items()},
@@ -238,14 +238,39 @@ def router_command(
     Its Prometheus exporter binds loopback on a free port unless `router_args` say otherwise
     (also when the router itself binds every interface, multi-node: the metrics are this
     host's business): sglang-router's default, 0.0.0.0:29000, exposes the metrics and makes a
-    second router on the host fail to start."""
+    second router on the host fail to start.
+
+    The router's own worker health checks are off unless `router_args` sets
+    `disable_health_check: false`: they GET the workers' `/health`, which in SGLang (0.5.6 to
+    0.5.23, `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` on by default) generates a token, so a
+    paused engine answers 503 after `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s) -- later than the
+    router's 5 s check timeout -- and a weight sync longer than its failure window (3 checks,
+    60 s apart) drops every paused worker: requests then get 503 "no available workers" until
+    2 more checks pass. Without them the router keeps every worker for a sync of any length
+    (requests wait in the paused engine, as sent to it directly); a dead worker's requests
+    are retried on another (the router's retries and circuit breaker), and the fleet's own
+    health checks relaunch it on its port (`engine/health.py`)."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
     cmd += ["--policy", settings.router_policy, "--host", settings.host, "--port", str(port)]
-    args = dict(settings.router_args)
+    args = {"disable_health_check": True, **settings.router_args}
     args.setdefault("prometheus_host", "127.0.0.1")
     if "prometheus_port" not in args:
         args["prometheus_port"] = free_port(str(args["prometheus_host"]))
     return cmd + to_flags(args) + (["--api-key", api_key] if api_key else [])
+
+
+def checked_router_args(args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`router_args`, refused where they tune the router's worker health checks while those
+    are off (`router_command`): they would do nothing."""
+    out = dict(args or {})
+    tuned = sorted(str(k) for k in out if str(k).startswith("health_"))
+    if tuned and out.get("disable_health_check", True) is not False:
+        raise SGLangConfigError(
+            f"strategy_config.router_args.{tuned[0]} tunes the router's worker health checks, "
+            "which asyncrl turns off (a paused SGLang engine fails them, and the router drops "
+            "it during a weight sync); set router_args.disable_health_check: false to use them"
+        )
+    return out
 
 
 def engine_devices(device_mapping: Sequence[int], tp_size: int) -> list[list[int]]:
@@ -377,13 +402,18 @@ class SGLangLauncher:
 
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
         """Where rollout workers send /generate: the router when there is one, else the workers."""
-        wanted = self.settings.router
-        if wanted is False or (wanted == "auto" and len(worker_urls) < 2):
+        if not self.routes(len(worker_urls)):
             return list(worker_urls)
         with self._router_lock:
             if self.router is None or self.router.proc.poll() is not None:
                 self.router = self._start_router(worker_urls)
             return [self.router.url]
+
+    def routes(self, engines: int) -> bool:
+        """Whether rollout workers reach `engines` engines through the router (`router`: true,
+        or auto with more than one)."""
+        wanted = self.settings.router
+        return wanted is True or (wanted == "auto" and engines >= 2)
 
     def _start_router(self, worker_urls: list[str]) -> ServerHandle:
         port = free_port(self.settings.host)

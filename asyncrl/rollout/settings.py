@@ -52,6 +52,9 @@ class RolloutSettings:
     credentials (the receiver must have no secret either)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """The run's API key for the engines' HTTP endpoints (None: engines without one)."""
+    engine_router: bool = False
+    """`engine_urls` is an sglang-router, whose /generate takes no batch: a group's samples go
+    as one request each (`EngineClient(router=True)`). Set by the fleet (`EngineFleet.routed`)."""
     engine_lora: bool = False
     """`weight_sync.lora_sync: native`: every request names the engines' current LoRA adapter
     (`EngineClient(lora=True)`)."""

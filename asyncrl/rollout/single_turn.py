@@ -93,7 +93,13 @@ class GroupBuilder:
         self.s = settings
         timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
         self.clients = [
-            EngineClient(u, timeout=timeout, api_key=key, lora=settings.engine_lora)
+            EngineClient(
+                u,
+                timeout=timeout,
+                api_key=key,
+                lora=settings.engine_lora,
+                router=settings.engine_router,
+            )  # fmt: skip
             for u in settings.engine_urls
         ]
         self._next_engine = itertools.cycle(range(len(self.clients)))

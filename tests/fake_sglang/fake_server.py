@@ -67,6 +67,14 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/unload_lora_adapter": {"lora_name": ((str,), True), "lora_id": ((str, NONE), False)},
     "/update_weight_version": {"new_version": ((str,), True), "abort_all_requests": ((bool,), False)},
 }  # fmt: skip
+# What sglang-router (0.3.2) adds to every /generate it forwards: fields of SGLang's
+# GenerateReqInput, and `model`, which SGLang's HTTP layer ignores (not a field there).
+SCHEMAS["/generate"] |= {
+    "model": ((str, NONE), False), "return_text_in_logprobs": ((bool,), False),
+    "log_metrics": ((bool,), False), "return_hidden_states": ((bool, list), False),
+    "background": ((bool,), False), "no_logs": ((bool,), False),
+    "return_bytes": ((bool,), False), "return_entropy": ((bool,), False),
+}  # fmt: skip
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "sampling_seed",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}  # fmt: skip

@@ -151,5 +151,8 @@ class HFLauncher:
     def actor_urls(self, worker_urls: list[str]) -> list[str]:
         return list(worker_urls)
 
+    def routes(self, engines: int) -> bool:
+        return False
+
     def close(self) -> None:
         pass
