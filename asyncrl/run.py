@@ -141,13 +141,16 @@ def land(rows: DeferredRows, evaluator: Evaluator, drain: bool = False) -> None:
 
 def build_learner(cfg: Config, model_dir: Path) -> Learner:
     """The run's learner (`actor_train.strategy_args.strategy_name`), before any resume."""
-    plan = derive_plan(cfg)
+    plan = derive_plan(cfg)  # the schedules' lengths: the optimizer steps the learner takes
+    critic = {}
+    if cfg.critic is not None:  # it trains every rollout, the warm-up ones too
+        critic = {"critic_total_steps": cfg.max_steps * plan.critic_optimizer_steps_per_rollout}
     return make_learner(
         cfg.actor_train.strategy_args.strategy_name, world_size=plan.world_size,
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=cfg.actor_infer.generating_args.temperature,
-        total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
-        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg),
+        total_steps=plan.actor_optimizer_steps, seed=cfg.seed,
+        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg), **critic,
     )  # fmt: skip
 
 

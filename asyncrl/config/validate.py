@@ -52,6 +52,7 @@ from asyncrl.config.schema import (
     TrainingArgs,
     WorkerConfig,
 )
+from asyncrl.config.plan import derive_plan
 from asyncrl.config.verl_actor import check_actor as check_verl_actor
 
 
@@ -75,6 +76,7 @@ def validate(cfg: Config) -> None:
     _check_unread(cfg)
     check_lora(cfg)
     check_packing(cfg)
+    derive_plan(cfg)  # the step plan: sizes that contradict each other are refused
     if cfg.env is not None:
         _check_env(cfg)
     _check_reward(cfg.rollout.reward_fn)
