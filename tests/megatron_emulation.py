@@ -111,6 +111,26 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
                f"{out}/rank{rank}.pt")  # fmt: skip
 
 
+def run_ranks(world: int, model_dir: Path, setup: dict, work: Path) -> list[dict]:
+    """Every rank's `rank_main` in its own process; what each saved."""
+    import torch.multiprocessing as mp
+
+    from asyncrl.net import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
+    return [torch.load(work / f"rank{r}.pt") for r in range(world)]
+
+
+def torch_mini_batch(actor: dict, train: dict, dp: int) -> dict:
+    """The torch learner's actor settings (one rank): ROLL's global batch of the Megatron
+    ranks as its mini-batch, where `train` sets gradient_accumulation_steps."""
+    if "gradient_accumulation_steps" not in train:
+        return actor
+    micro = train.get("per_device_train_batch_size", 3)  # tests/gpu's configs
+    return {**actor, "ppo_mini_batch_size": micro * train["gradient_accumulation_steps"] * dp}
+
+
 def planned_steps(cfg, batch) -> int:
     """The plan's optimizer steps per rollout for this batch (`config show`'s number)."""
     import dataclasses
@@ -207,15 +227,12 @@ def tiny_variant(src: Path, dst: Path, vocab: int | None, tied: bool) -> Path:
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(HERE / "gpu"))
     import test_megatron_gpu as g
 
     from asyncrl.learner.collate import collate
     from asyncrl.learner.logprobs import token_logprobs
     from asyncrl.learner.torch.learner import TorchLearner
-    from asyncrl.net import free_port
 
     if sys.argv[3] == "learner":
         work = Path(sys.argv[2]).parent / "work"
@@ -228,11 +245,9 @@ def main() -> None:
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     algorithm, actor = extra.pop("algorithm", {}), extra.pop("actor", {})
     world = int(extra.pop("world", 2))
-    train = extra.pop("train", {})  # Megatron's training_args; the torch learner's one rank
-    if "gradient_accumulation_steps" in train:  # takes ROLL's global batch as a mini-batch
-        dp = world // (tp * pp * int(extra.get("context_parallel_size", 1)))
-        micro = train.get("per_device_train_batch_size", 3)  # tests/gpu's configs
-        actor = {**actor, "ppo_mini_batch_size": micro * train["gradient_accumulation_steps"] * dp}
+    train = extra.pop("train", {})  # Megatron's training_args
+    dp = world // (tp * pp * extra.get("context_parallel_size", 1))
+    actor = torch_mini_batch(actor, train, dp)
     dtype = sys.argv[7] if len(sys.argv) > 7 else "fp32"
     work = out_json.parent / "work"
     model_dir = tiny_variant(src, work / "model", vocab, tied=pp == 1)
@@ -254,9 +269,7 @@ def main() -> None:
     setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype, "algorithm": algorithm,
              "actor": {k: v for k, v in actor.items() if not train or k != "ppo_mini_batch_size"},
              "train": train}  # fmt: skip
-    init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
-    ranks = [torch.load(work / f"rank{r}.pt") for r in range(world)]
+    ranks = run_ranks(world, model_dir, setup, work)
     last = next(r for r in ranks if r["lp"] is not None)
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/mismatch_training_ppl",
             "learner/adv_mean", "learner/adv_max", "learner/adv_min")  # fmt: skip

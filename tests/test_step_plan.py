@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.config import ConfigError, derive_plan, load_config
 from asyncrl.config.plan import mini_batches, optimizer_steps, step_size
+from asyncrl.config.schema import TrainingArgs
 from asyncrl.run import build_learner
 from tests.test_torch_learner import _groups
 
@@ -39,8 +40,14 @@ GRID = [
     ((f"{MICRO}=2", f"{ACCUM}=1"), 4),  # ROLL: 2 × 1 × 1 rank = 2 sequences a step
     ((f"{MICRO}=2", f"{ACCUM}=2", "actor.ppo_mini_batch_size=4"), 2),  # both, agreeing
     ((f"{MICRO}=4", f"{ACCUM}=4"), 1),  # 16 > 8 sequences: one step over the rollout
-    (("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=16",
-      "actor.ppo_mini_batch_size=4"), 2),  # fmt: skip
+    (
+        (
+            "actor.use_dynamic_bsz=true",
+            "actor.ppo_max_token_len_per_gpu=16",
+            "actor.ppo_mini_batch_size=4",
+        ),
+        2,
+    ),
     (("actor_train.training_args.warmup_steps=2", "actor.ppo_mini_batch_size=4"), 2),
     ((*CRITIC, "actor.ppo_mini_batch_size=4"), 2),
 ]
@@ -55,7 +62,9 @@ def test_the_learner_takes_the_planned_steps_and_ends_the_schedule(
     assert plan.optimizer_steps_per_rollout == per_rollout
     learner = build_learner(cfg, tiny_model)
     used: list[float] = []  # the learning rate of every real optimizer step
-    learner.optimizer.register_step_post_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    learner.optimizer.register_step_post_hook(
+        lambda opt, *_: used.append(opt.param_groups[0]["lr"])
+    )
     critic_steps: list[float] = []
     if learner.critic is not None:
         learner.critic.optimizer.register_step_post_hook(lambda opt, *_: critic_steps.append(1.0))
@@ -106,13 +115,16 @@ def test_gradient_accumulation_is_rolls_global_batch():
 
 def test_accumulation_and_mini_batch_that_disagree_are_refused(tiny_model):
     bad = [f"{MICRO}=2", f"{ACCUM}=2", "actor.ppo_mini_batch_size=8"]
-    with pytest.raises(ConfigError, match=r"^actor_train.training_args.gradient_accumulation_st"
-                                          r"eps: 2 × per_device_train_batch_size 2 × 1 data-par"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor_train.training_args.gradient_accumulation_st"
+        r"eps: 2 × per_device_train_batch_size 2 × 1 data-par",
+    ):
         load_config(None, [*BASE, *bad])
     cfg = load_config(None, [*BASE, "actor.ppo_mini_batch_size=8"])
     with pytest.raises(ValueError, match="they size the same step: set one"):
-        step_size(cfg.actor, cfg.actor_train.training_args.__class__(
-            per_device_train_batch_size=2, gradient_accumulation_steps=2), 1)
+        step_size(cfg.actor, TrainingArgs(per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2), 1)  # fmt: skip
     with pytest.raises(ConfigError, match=r"^critic.training_args.gradient_accumulation_steps"):
         load_config(None, [*BASE, *CRITIC, "actor.ppo_mini_batch_size=4",
                            "critic.training_args.gradient_accumulation_steps=1"])  # fmt: skip
@@ -121,3 +133,48 @@ def test_accumulation_and_mini_batch_that_disagree_are_refused(tiny_model):
 def test_accumulation_with_dynamic_bsz_is_refused():
     with pytest.raises(ConfigError, match="packed by tokens.*set actor.ppo_mini_batch_size"):
         load_config(None, [*BASE, f"{ACCUM}=2", "actor.use_dynamic_bsz=true"])
+
+
+# -- keys that validate must do something ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["reference.strategy_args.strategy_name=megatron_infer"],
+         r"^reference.strategy_args.strategy_name: megatron_infer is not what the fsdp2_train "
+         r"learner runs \(the reference is a transformers model"),
+        (["reference.strategy_args.strategy_name=hf_infer",
+          "actor_train.strategy_args.strategy_name=megatron_train"],
+         r"^reference.strategy_args.strategy_name: hf_infer is not what the megatron_train"),
+        (["actor_infer.infer_batch_size=8"], r"^actor_infer.infer_batch_size: not read for"),
+        (["actor_train.num_gpus_per_worker=2"], r"^actor_train.num_gpus_per_worker: not read"),
+        (["reference.num_gpus_per_worker=2"], r"^reference.num_gpus_per_worker: not read"),
+    ],
+)  # fmt: skip
+def test_keys_no_worker_reads_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["actor.use_kl_loss=true", "reference={}", *overrides])
+
+
+def test_reference_names_of_the_learners_backend_validate():
+    for learner, name in (("fsdp2_train", "hf_infer"), ("fsdp2_train", "fsdp2_train"),
+                          ("megatron_train", "megatron_infer")):  # fmt: skip
+        cfg = load_config(None, ["actor.use_kl_loss=true", "reference={}",
+                                 f"actor_train.strategy_args.strategy_name={learner}",
+                                 f"reference.strategy_args.strategy_name={name}"])  # fmt: skip
+        assert cfg.reference.strategy_args.strategy_name == name
+
+
+# -- a resumed run's schedules ---------------------------------------------------------------
+def test_a_resume_onto_another_step_plan_is_refused_where_the_schedule_decays():
+    from asyncrl.config.plan import check_resumed_plan, schedule_record
+
+    saved = schedule_record(derive_plan(load_config(None, list(BASE))))
+    assert saved["optimizer_steps_per_rollout"] == 1
+    check_resumed_plan(saved, load_config(None, list(BASE)))  # the same plan
+    check_resumed_plan(None, load_config(None, [*BASE, "actor.ppo_epochs=2"]))  # older save
+    with pytest.raises(ConfigError, match=r"^resume: .*optimizer_steps_per_rollout 1 -> 2 "):
+        check_resumed_plan(saved, load_config(None, [*BASE, "actor.ppo_epochs=2"]))
+    constant = "actor_train.training_args.lr_scheduler_type=constant"
+    check_resumed_plan(saved, load_config(None, [*BASE, constant, "actor.ppo_epochs=2"]))
+    fixed = "actor.optim.total_training_steps=100"
+    check_resumed_plan(saved, load_config(None, [*BASE, fixed, "actor.ppo_epochs=2"]))

@@ -201,3 +201,35 @@ def _engines(cfg: Config, warnings: list[str]) -> int:
             f"num_gpus_per_worker={infer.num_gpus_per_worker}"
         )
     return engines
+
+
+def schedule_record(plan: BatchPlan) -> dict[str, int | None]:
+    """What a checkpoint keeps of the plan (its run state), so a resume can tell whether its
+    schedules' positions still fit this config's (`check_resumed_plan`)."""
+    return {
+        "optimizer_steps_per_rollout": plan.optimizer_steps_per_rollout,
+        "critic_warmup_rollouts": plan.critic_warmup_rollouts,
+        "critic_optimizer_steps_per_rollout": plan.critic_optimizer_steps_per_rollout,
+    }
+
+
+def check_resumed_plan(saved: dict[str, int | None] | None, cfg: Config) -> None:
+    """Refuse (one line) to resume a run whose decaying schedule was sized for another step
+    plan: its position (the steps taken so far) and this config's horizon would not meet at
+    max_steps. Constant schedules and a fixed total_training_steps do not depend on it; a
+    checkpoint without the record (older) is taken as it is."""
+    if saved is None or cfg.actor.optim.total_training_steps:
+        return
+    now = schedule_record(derive_plan(cfg))
+    decays = [cfg.actor_train.training_args.lr_scheduler_type != "constant"]
+    if cfg.critic is not None:
+        decays.append(cfg.critic.training_args.lr_scheduler_type != "constant")
+    changed = [k for k, v in now.items() if saved.get(k, v) != v]
+    if changed and any(decays):
+        diffs = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed)
+        raise ConfigError(
+            f"resume: the checkpoint's run planned {diffs} (actor.ppo_epochs, "
+            "ppo_mini_batch_size, gradient_accumulation_steps, critic_warmup): its decaying "
+            "learning-rate schedule would not end at max_steps; resume with the run's batch "
+            "plan, or set actor.optim.total_training_steps"
+        )

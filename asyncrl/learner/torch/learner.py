@@ -41,7 +41,9 @@ class TorchLearner:
     """`Learner` over a transformers causal LM. Receives only its own sub-configs:
     `actor_train` (`train`), `actor`, `algorithm`, `reference` (the KL reference policy's
     section; None: a frozen copy of the initial actor, see `asyncrl.learner.reference`) and
-    `critic` (the value model's section; None: no critic)."""
+    `critic` (the value model's section; None: no critic). `total_steps`: the actor's optimizer
+    steps over the run, its schedule's length (`BatchPlan.actor_optimizer_steps`);
+    `critic_total_steps` the critic's (None: `total_steps`)."""
 
     def __init__(
         self,
@@ -59,16 +61,12 @@ class TorchLearner:
         critic: WorkerConfig | None = None,
         critic_total_steps: int | None = None,
     ) -> None:
-        """`total_steps`: the actor's optimizer steps over the run (the schedule's length; the
-        run passes `BatchPlan.actor_optimizer_steps`); `critic_total_steps` the critic's (None:
-        `total_steps`)."""
         from transformers import AutoTokenizer
 
         # Before the model loads: a gae run without a critic fails at once
         obj.check_learner_side(algorithm, critic is not None, world_size)
         self.rollout_is = obj.rollout_is_settings(algorithm)  # likewise a bad IS setting
-        # Sequences per optimizer step: the plan's rule (`asyncrl.config.plan`), so the steps
-        # taken are the steps the schedule was sized for; a contradictory config fails here.
+        # The plan's step size: the steps taken are those the schedule is sized for (or fail now)
         self.step_size = step_size(actor, train.training_args, world_size)
         # Likewise a reference section that cannot be honoured (vocabulary, devices).
         uses_ref = actor.use_kl_loss or algorithm.use_kl_in_reward
