@@ -121,7 +121,7 @@ class TorchLearner:
         pad = 1.0 - float(data["attention_mask"].float().mean())
         warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
         reuse = not warmup and obj.prox_from_training_forward(
-            self.algorithm, self.actor, total_rows, self.stochastic_forward
+            self.algorithm, self.actor, total_rows, self.stochastic_forward, self.step_size
         )
         if self.world_size > 1:  # batch-level advantages see every row, then each its shard
             data, prep, metrics, adv_metrics = self._sharded_advantages(data, total_rows, reuse)
