@@ -39,7 +39,7 @@ GRID = [
     ((f"{MICRO}=3",), 1),  # micro-batches of 3, 3, 2: one step
     ((f"{MICRO}=2", f"{ACCUM}=1"), 4),  # ROLL: 2 × 1 × 1 rank = 2 sequences a step
     ((f"{MICRO}=2", f"{ACCUM}=2", "actor.ppo_mini_batch_size=4"), 2),  # both, agreeing
-    ((f"{MICRO}=4", f"{ACCUM}=4"), 1),  # 16 > 8 sequences: one step over the rollout
+    (("actor.ppo_mini_batch_size=16",), 1),  # 16 > 8 sequences: one step over the rollout
     (
         (
             "actor.use_dynamic_bsz=true",
@@ -128,6 +128,17 @@ def test_accumulation_and_mini_batch_that_disagree_are_refused(tiny_model):
     with pytest.raises(ConfigError, match=r"^critic.training_args.gradient_accumulation_steps"):
         load_config(None, [*BASE, *CRITIC, "actor.ppo_mini_batch_size=4",
                            "critic.training_args.gradient_accumulation_steps=1"])  # fmt: skip
+
+
+def test_a_global_batch_beyond_the_rollout_is_refused():
+    """ROLL's count of micro-batches cannot be honoured past the rollout's 8 sequences."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor_train.training_args.gradient_accumulation_"
+        r"steps: 4 micro-batches .* 16 .* 8 .* at most 2 here",
+    ):
+        load_config(None, [*BASE, f"{MICRO}=4", f"{ACCUM}=4"])  # fmt: skip
+    assert derive_plan(load_config(None, [*BASE, f"{MICRO}=4", f"{ACCUM}=2"])).warnings == []
 
 
 def test_accumulation_with_dynamic_bsz_is_refused():

@@ -111,11 +111,23 @@ def _megatron_parallel(strategy_config: dict) -> int:
     return mp
 
 
-def _step(cfg: Config, targs: TrainingArgs, dp: int, role: str) -> int | None:
+def _step(cfg: Config, targs: TrainingArgs, dp: int, role: str, seqs: int) -> int | None:
+    """`step_size`, refused where it contradicts itself or where ROLL's global batch holds
+    more than a rollout: its micro-batch count could not be honoured (a larger
+    ppo_mini_batch_size, verl's default block's 256 among them, is one step: a warning)."""
     try:
-        return step_size(cfg.actor, targs, dp, role)
+        size = step_size(cfg.actor, targs, dp, role)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    accumulation = targs.gradient_accumulation_steps
+    if accumulation is not None and size is not None and size > seqs:
+        most = max(1, seqs // (targs.per_device_train_batch_size * dp))
+        raise ConfigError(
+            f"{role}.training_args.gradient_accumulation_steps: {accumulation} micro-batches "
+            f"make a global batch of {size} sequences, more than the rollout's {seqs} "
+            f"(rollout_batch_size × num_return_sequences_in_group); at most {most} here"
+        )
+    return size
 
 
 def derive_plan(cfg: Config) -> BatchPlan:
@@ -138,7 +150,7 @@ def derive_plan(cfg: Config) -> BatchPlan:
             f"rollout sequences ({seqs}) are not divisible by per_device_train_batch_size × "
             f"data parallel ({per_dev} × {dp})"
         )
-    size = _step(cfg, targs, dp, "actor_train")
+    size = _step(cfg, targs, dp, "actor_train", seqs)
     warnings += _size_warnings(seqs, size)
     steps = optimizer_steps(seqs, size, cfg.actor.ppo_epochs)
     global_bs = min(size or seqs, seqs)
@@ -172,7 +184,7 @@ def _critic_steps(cfg: Config, seqs: int, dp: int) -> int | None:
     training_args (it trains on the learner's ranks)."""
     if cfg.critic is None:
         return None
-    size = _step(cfg, cfg.critic.training_args, dp, "critic")
+    size = _step(cfg, cfg.critic.training_args, dp, "critic", seqs)
     return optimizer_steps(seqs, size, cfg.actor.ppo_epochs)
 
 

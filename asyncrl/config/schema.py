@@ -102,9 +102,9 @@ class TrainingArgs:
     per_device_train_batch_size × gradient_accumulation_steps × data-parallel ranks sequences
     (Megatron: world / tp·pp·cp ranks), so a rollout takes ppo_epochs × ⌈rollout sequences /
     global batch⌉ steps (`asyncrl config show` prints the plan). It sizes the same step as
-    actor.ppo_mini_batch_size: both given and different is an error, as is a count with
-    actor.use_dynamic_bsz (token-packed micro-batches). null: ppo_mini_batch_size sizes the
-    step, else one step per rollout."""
+    actor.ppo_mini_batch_size: both given and different is an error, as are a count with
+    actor.use_dynamic_bsz (token-packed micro-batches) and a global batch larger than the
+    rollout. null: ppo_mini_batch_size sizes the step, else one step per rollout."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up, in optimizer steps. verl's `actor.optim.lr_warmup_steps`
     (or `lr_warmup_steps_ratio` × total steps) sets the same value (actor_train; same rule as
