@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
+from asyncrl.config.plan import check_resumed_plan, schedule_record
 from asyncrl.data.prompts import PromptSource
 from asyncrl.learner.base import Learner, make_learner
 from asyncrl.learner.placement import RankPlacement
@@ -107,7 +108,8 @@ def train(
             if ckpt_due(cfg, step):  # every row up to it is written first: a resume keeps them
                 land(rows, evaluator, drain=True)
                 logger.flush()  # written by the sinks' threads: on disk before the checkpoint
-                state = {"prompts": prompts.state_dict(), **rollout.state_dict()}
+                state = {"prompts": prompts.state_dict(), **rollout.state_dict(),
+                         "plan": schedule_record(derive_plan(cfg))}  # fmt: skip
                 ckpt.save(step, learner, {**state, "version": learner.version}, prompts.tokenizer)
         land(rows, evaluator, drain=True)  # the last evaluation lands before the summary
         ckpt.wait()  # an async save finishes (or raises) before the learner closes
@@ -141,13 +143,16 @@ def land(rows: DeferredRows, evaluator: Evaluator, drain: bool = False) -> None:
 
 def build_learner(cfg: Config, model_dir: Path) -> Learner:
     """The run's learner (`actor_train.strategy_args.strategy_name`), before any resume."""
-    plan = derive_plan(cfg)
+    plan = derive_plan(cfg)  # the schedules' lengths: the optimizer steps the learner takes
+    critic = {}
+    if cfg.critic is not None:  # it trains every rollout, the warm-up ones too
+        critic = {"critic_total_steps": cfg.max_steps * plan.critic_optimizer_steps_per_rollout}
     return make_learner(
         cfg.actor_train.strategy_args.strategy_name, world_size=plan.world_size,
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=cfg.actor_infer.generating_args.temperature,
-        total_steps=cfg.max_steps * plan.optimizer_steps_per_rollout, seed=cfg.seed,
-        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg),
+        total_steps=plan.actor_optimizer_steps, seed=cfg.seed,
+        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg), **critic,
     )  # fmt: skip
 
 
@@ -169,6 +174,8 @@ def resume(
     checkpoints). Returns the step to continue from: the checkpoint's, or 0 for a fresh run."""
     if found is None:
         return 0
+    # the learner's schedules continue from their positions: they must fit this config's plan
+    check_resumed_plan((found.extra or {}).get("plan"), cfg)
     extra = found.apply(learner, load_contents(cfg.actor.checkpoint))
     if extra:
         prompts.load_state_dict(extra["prompts"])

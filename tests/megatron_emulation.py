@@ -89,11 +89,14 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
         **setup["extra"],
     )  # fmt: skip
     cfg.actor_train.model_args.dtype = setup["dtype"]
+    for key, value in setup["train"].items():
+        setattr(cfg.actor_train.training_args, key, value)
     worker = MegatronWorker(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
                             rank=rank, world_size=world, init_method=init, device=SPECS["cpu"])  # fmt: skip
     batch = g.groups()
     lp = worker.logprobs(batch)
     metrics = worker.step(batch)
+    steps = worker.lr_step  # its optimizer steps on this rollout, against the plan's
     weights = {n: t.float().clone() for n, t in worker.export()}
     resumed = resume_gap(worker, batch, weights)
     # A checkpoint's way back in (every rank gets the full HF tensors and loads its shards,
@@ -104,7 +107,41 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     worker.load_hf({name: initial(name) for name in initial.where})
     reloaded = worker.logprobs(batch)
     torch.save({"lp": lp, "metrics": metrics, "weights": weights, "reloaded": reloaded,
-                "resumed": resumed}, f"{out}/rank{rank}.pt")  # fmt: skip
+                "resumed": resumed, "steps": [planned_steps(cfg, batch), steps]},
+               f"{out}/rank{rank}.pt")  # fmt: skip
+
+
+def run_ranks(world: int, model_dir: Path, setup: dict, work: Path) -> list[dict]:
+    """Every rank's `rank_main` in its own process; what each saved."""
+    import torch.multiprocessing as mp
+
+    from asyncrl.net import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
+    return [torch.load(work / f"rank{r}.pt") for r in range(world)]
+
+
+def torch_mini_batch(actor: dict, train: dict, dp: int) -> dict:
+    """The torch learner's actor settings (one rank): ROLL's global batch of the Megatron
+    ranks as its mini-batch, where `train` sets gradient_accumulation_steps."""
+    if "gradient_accumulation_steps" not in train:
+        return actor
+    micro = train.get("per_device_train_batch_size", 3)  # tests/gpu's configs
+    return {**actor, "ppo_mini_batch_size": micro * train["gradient_accumulation_steps"] * dp}
+
+
+def planned_steps(cfg, batch) -> int:
+    """The plan's optimizer steps per rollout for this batch (`config show`'s number)."""
+    import dataclasses
+
+    from asyncrl.config import derive_plan
+
+    sizes = {len(g.response_lengths) for g in batch}
+    assert len(sizes) == 1, "one group size"
+    rollout = dataclasses.replace(cfg, rollout_batch_size=len(batch),
+                                  num_return_sequences_in_group=sizes.pop())  # fmt: skip
+    return derive_plan(rollout).optimizer_steps_per_rollout
 
 
 def resume_gap(worker, batch, weights: dict) -> float | None:
@@ -190,15 +227,12 @@ def tiny_variant(src: Path, dst: Path, vocab: int | None, tied: bool) -> Path:
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(HERE / "gpu"))
     import test_megatron_gpu as g
 
     from asyncrl.learner.collate import collate
     from asyncrl.learner.logprobs import token_logprobs
     from asyncrl.learner.torch.learner import TorchLearner
-    from asyncrl.net import free_port
 
     if sys.argv[3] == "learner":
         work = Path(sys.argv[2]).parent / "work"
@@ -211,6 +245,9 @@ def main() -> None:
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     algorithm, actor = extra.pop("algorithm", {}), extra.pop("actor", {})
     world = int(extra.pop("world", 2))
+    train = extra.pop("train", {})  # Megatron's training_args
+    dp = world // (tp * pp * extra.get("context_parallel_size", 1))
+    actor = torch_mini_batch(actor, train, dp)
     dtype = sys.argv[7] if len(sys.argv) > 7 else "fp32"
     work = out_json.parent / "work"
     model_dir = tiny_variant(src, work / "model", vocab, tied=pp == 1)
@@ -225,13 +262,14 @@ def main() -> None:
     mask = data["response_mask"].bool()
     with torch.no_grad():
         want = token_logprobs(ref.model, data, 0.7)[0]
+    ref_steps: list[int] = []
+    ref.optimizer.register_step_post_hook(lambda *_: ref_steps.append(1))
     ref_metrics = ref.step(batch)
     after = dict(ref.weights_for_sync())
     setup = {"tp": tp, "pp": pp, "extra": extra, "dtype": dtype, "algorithm": algorithm,
-             "actor": actor}  # fmt: skip
-    init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
-    ranks = [torch.load(work / f"rank{r}.pt") for r in range(world)]
+             "actor": {k: v for k, v in actor.items() if not train or k != "ppo_mini_batch_size"},
+             "train": train}  # fmt: skip
+    ranks = run_ranks(world, model_dir, setup, work)
     last = next(r for r in ranks if r["lp"] is not None)
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/mismatch_training_ppl",
             "learner/adv_mean", "learner/adv_max", "learner/adv_min")  # fmt: skip
@@ -245,6 +283,9 @@ def main() -> None:
         ),
         "silent_ranks_exported": [r for r in range(1, world) if ranks[r]["weights"]],
         "resumed_step_max_diff": ranks[0]["resumed"],
+        # [planned, taken] per rank, and the torch learner's real optimizer steps
+        "optimizer_steps": [r["steps"] for r in ranks],
+        "torch_optimizer_steps": len(ref_steps),
     }
     out_json.write_text(json.dumps(result))
 

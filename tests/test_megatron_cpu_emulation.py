@@ -44,6 +44,10 @@ CASES = {
     # 12 one-row optimizer steps: the interleaved schedule gets a dead micro-batch each time
     "pp2-vpp2-one-row-mini-batches": (1, 2, "-", {"virtual_pipeline_model_parallel_size": 2,
                                                   "actor": {"ppo_mini_batch_size": 1}}),
+    # ROLL's global batch: 3 per device × 1 accumulation × 2 DP ranks = 6 of 12 sequences a
+    # step, two epochs: 4 optimizer steps (the torch learner: mini-batches of 6)
+    "dp2-gradient-accumulation": (1, 1, "-", {"train": {"gradient_accumulation_steps": 1},
+                                              "actor": {"ppo_epochs": 2}}),
 }  # fmt: skip
 # The bar (1e-6) for the CP and VPP cases; the older cases keep theirs.
 LOGPROB_TOL = {case: 1e-6 for case in CASES if "cp2" in case or "vpp2" in case}
@@ -71,6 +75,10 @@ def test_two_ranks_match_the_torch_learner(tmp_path, tiny_model, case):
     # after a resume equals the step that followed the save
     assert result["resumed_step_max_diff"] < 1e-6
     assert not result["silent_ranks_exported"]  # only global rank 0 yields tensors
+    # every rank takes the optimizer steps that the plan (`config show`) counts, as many as
+    # the torch learner takes
+    for planned, taken in result["optimizer_steps"]:
+        assert taken == planned == result["torch_optimizer_steps"]
     assert "model.embed_tokens.weight" in result["exported"]
     assert ("lm_head.weight" in result["exported"]) == (pp == 2)  # tied when pp == 1
 

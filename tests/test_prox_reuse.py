@@ -121,14 +121,20 @@ def test_reused_prox_step_equals_the_recompute_step_for_other_objectives(tiny_mo
         ["algorithm.rollout_rs=[{name: token_k3, upper: 5.0}]"],
         ["algorithm.rollout_is_batch_normalize=true"],
         ["algorithm.correction_mode=bypass"],
+        # ROLL's global batch: 2 per device × 1 accumulation × 1 rank, 3 steps over 6 rows
+        ["actor_train.training_args.per_device_train_batch_size=2",
+         "actor_train.training_args.gradient_accumulation_steps=1"],
     ],
-)
+)  # fmt: skip
 def test_prox_is_recomputed_when_the_training_forward_is_not_the_proximal_policy(overrides):
+    from asyncrl.config.plan import step_size
+
     cfg = load_config(None, overrides)
-    assert not prox_from_training_forward(cfg.algorithm, cfg.actor, 6, False)
+    size = step_size(cfg.actor, cfg.actor_train.training_args, 1)  # the learner's, one rank
+    assert not prox_from_training_forward(cfg.algorithm, cfg.actor, 6, False, size)
     default = load_config(None, [])
-    assert prox_from_training_forward(default.algorithm, default.actor, 6, False)
-    assert not prox_from_training_forward(default.algorithm, default.actor, 6, True)
+    assert prox_from_training_forward(default.algorithm, default.actor, 6, False, None)
+    assert not prox_from_training_forward(default.algorithm, default.actor, 6, True, None)
 
 
 def test_several_mini_batches_still_recompute_the_prox(tiny_model):

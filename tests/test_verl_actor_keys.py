@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.config import derive_plan, load_config
 from asyncrl.config.rules import TORCH_COMPILE_STRATEGIES
 from asyncrl.config.schema import ConfigError
 from asyncrl.config.validate import validate
@@ -238,13 +238,11 @@ def test_deprecated_global_micro_batch_is_divided_by_data_parallel_ranks(capsys)
 
 
 def _learner(model_dir, *overrides):
-    from asyncrl.learner.torch.learner import TorchLearner
+    """The learner as the run builds it: its schedule sized by the run (`build_learner`)."""
+    from asyncrl.run import build_learner
 
     cfg = _load("actor_train.model_args.disable_gradient_checkpointing=true", *overrides)
-    return cfg, TorchLearner(
-        model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, temperature=1.0,
-        total_steps=cfg.max_steps,
-    )  # fmt: skip
+    return cfg, build_learner(cfg, model_dir)
 
 
 def test_micro_batch_size_per_gpu_sets_the_learners_micro_batches(tiny_model):
@@ -282,6 +280,24 @@ def test_warmup_ratio_reaches_the_optimizer(tiny_model):
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
 
 
+def test_the_runs_schedule_counts_every_optimizer_step(tiny_model):
+    """Two optimizer steps a rollout (6 sequences in mini-batches of 3): the ratio and the decay
+    are of the run's 8 optimizer steps, not of its 4 rollouts; the lr that each real rollout
+    reports reaches 0 after the last one, not halfway."""
+    from tests.test_torch_learner import _groups
+
+    cfg, learner = _learner(
+        tiny_model, "max_steps=4", "rollout_batch_size=2", "num_return_sequences_in_group=3",
+        "actor.ppo_mini_batch_size=3", "actor.optim.lr=1e-3",
+        "actor.optim.lr_warmup_steps_ratio=0.5", "actor.optim.lr_scheduler_type=linear",
+    )  # fmt: skip
+    assert cfg.actor_train.training_args.warmup_steps == 4  # int(0.5 × 8 optimizer steps)
+    lrs = [learner.step(_groups(n_groups=2, n=3, seed=r))["learner/lr"] for r in range(4)]
+    learner.close()
+    # after steps 2, 4 (warm-up done), 6 (half the decay) and 8 (its end)
+    assert lrs == pytest.approx([7.5e-4, 1e-3, 5e-4, 0.0])
+
+
 def test_total_training_steps_is_the_schedules_horizon():
     from asyncrl.learner.objective import lr_factor
 
@@ -291,8 +307,10 @@ def test_total_training_steps_is_the_schedules_horizon():
     assert targs.warmup_steps == 2  # int(0.2 × 10), not × 100
     factor = lr_factor(targs, cfg.actor.optim, total_steps=100)
     assert [factor(s) for s in (0, 1, 2, 6, 10, 50)] == pytest.approx([0.5, 1, 1, 0.5, 0, 0])
-    run_horizon = lr_factor(targs, _load("max_steps=100").actor.optim, total_steps=100)
-    assert run_horizon(6) == pytest.approx(1 - 4 / 98)  # null: the run's 100 steps
+    # null: the run's optimizer steps, 2 a rollout (64 sequences in mini-batches of 32)
+    run = _load("max_steps=100", "actor.ppo_mini_batch_size=32")
+    run_horizon = lr_factor(targs, run.actor.optim, total_steps=derive_plan(run).schedule_horizon)
+    assert run_horizon(6) == pytest.approx(1 - 4 / 198)
 
 
 # -- torch.compile ---------------------------------------------------------------------------

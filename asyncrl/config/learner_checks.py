@@ -4,7 +4,7 @@ parallel sizes, LoRA. Each failure is one ConfigError line naming the key."""
 from __future__ import annotations
 
 from asyncrl.config.rules import EPISODE_ESTIMATORS, KL_TYPES, one_of, positive
-from asyncrl.config.schema import Config, ConfigError, ModelArgs
+from asyncrl.config.schema import Config, ConfigError, ModelArgs, WorkerConfig
 
 
 def check_critic(cfg: Config) -> None:
@@ -75,12 +75,50 @@ def check_reference(cfg: Config) -> None:
             f"reference.device_mapping {mapping} differs from actor_train.device_mapping "
             f"{train}: the reference runs inside the learner, on actor_train's devices"
         )
+    _check_reference_strategy(cfg.actor_train.strategy_args.strategy_name,
+                              ref.strategy_args.strategy_name)  # fmt: skip
     if cfg.actor_train.strategy_args.strategy_name == "megatron_train":
         dtype = cfg.actor_train.model_args.dtype or "bf16"
         if ref.model_args.dtype not in (None, dtype):
             raise ConfigError(
                 f"reference.model_args.dtype {ref.model_args.dtype} with megatron_train: the "
                 f"reference is built in actor_train's dtype ({dtype}); leave it null or set {dtype}"
+            )
+
+
+# The reference runs inside the learner, on the learner's backend: what each learner builds
+# it with, and the reference strategy names that say so (fsdp2_train, the section's default:
+# "the learner's own backend").
+REFERENCE_BACKENDS = {
+    "fsdp2_train": ("a transformers model in the learner's process", ("fsdp2_train", "hf_infer")),
+    "megatron_train": ("Megatron chunks in the actor's layout", ("fsdp2_train", "megatron_infer")),
+}
+
+
+def _check_reference_strategy(learner: str, name: str) -> None:
+    how, names = REFERENCE_BACKENDS.get(learner, ("", (name,)))
+    if name not in names:
+        raise ConfigError(
+            f"reference.strategy_args.strategy_name: {name} is not what the {learner} learner "
+            f"runs (the reference is {how}); set {' or '.join(names)}"
+        )
+
+
+def check_unread_sizes(cfg: Config) -> None:
+    """Worker sizes that only some roles read, refused elsewhere with the reason."""
+    if cfg.actor_infer.infer_batch_size != WorkerConfig().infer_batch_size:
+        raise ConfigError(
+            "actor_infer.infer_batch_size: not read for actor_infer (the engines batch by their "
+            "own scheduler: hf_infer's strategy_config.max_batch_size, SGLang's server args); "
+            "it sizes logprob passes of actor_train, reference and critic"
+        )
+    for role in ("actor_train", "reference", "critic"):
+        worker = getattr(cfg, role)
+        if worker is not None and worker.num_gpus_per_worker != 1:
+            raise ConfigError(
+                f"{role}.num_gpus_per_worker: not read for {role} (the learner takes one device "
+                "per rank from actor_train.device_mapping; Megatron's model parallel sizes are "
+                "in strategy_config); it is the engines' tensor-parallel size (actor_infer)"
             )
 
 

@@ -98,7 +98,13 @@ class TrainingArgs:
     `actor.ppo_micro_batch_size_per_gpu` sets the same value (actor_train; same rule as
     learning_rate)."""
     gradient_accumulation_steps: int | None = None
-    """Micro-batches per optimizer step; null derives the value giving one step per rollout."""
+    """ROLL's micro-batches per optimizer step: each step trains on the global train batch of
+    per_device_train_batch_size × gradient_accumulation_steps × data-parallel ranks sequences
+    (Megatron: world / tp·pp·cp ranks), so a rollout takes ppo_epochs × ⌈rollout sequences /
+    global batch⌉ steps (`asyncrl config show` prints the plan). It sizes the same step as
+    actor.ppo_mini_batch_size: both given and different is an error, as are a count with
+    actor.use_dynamic_bsz (token-packed micro-batches) and a global batch larger than the
+    rollout. null: ppo_mini_batch_size sizes the step, else one step per rollout."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up, in optimizer steps. verl's `actor.optim.lr_warmup_steps`
     (or `lr_warmup_steps_ratio` × total steps) sets the same value (actor_train; same rule as
@@ -147,7 +153,9 @@ class GeneratingArgs:
 class StrategyArgs:
     strategy_name: str = "fsdp2_train"
     """Backend: fsdp2_train | megatron_train (train), sglang | hf_infer (infer); reference:
-    fsdp2_train | hf_infer | megatron_infer (all computed inside the learner's process)."""
+    computed inside the learner's process by the learner's backend, so fsdp2_train (the
+    learner's own) | hf_infer (a transformers model: the fsdp2_train learner) |
+    megatron_infer (Megatron chunks: the megatron_train learner); another is refused."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
     """Passed through to the backend (Megatron parallel sizes, SGLang server args, ...). hf_infer
     reads `max_batch_size`: the sequences one engine decodes together (default 256)."""
@@ -169,10 +177,13 @@ class WorkerConfig:
     """Device ids of this worker; `list(range(0,8))` is parsed, never evaluated (at most 65536
     ids, each in 0..65535). Empty: CPU."""
     infer_batch_size: int = 4
-    """Rows per logprob/inference pass; the actor's proximal recompute packs rows into forwards
-    of at most infer_batch_size × the batch's padded width tokens (short rows share a forward)."""
+    """Rows per logprob/inference pass (actor_train, reference, critic; actor_infer's engines
+    batch by their own scheduler, so another value there is refused); the actor's proximal
+    recompute packs rows into forwards of at most infer_batch_size × the batch's padded width
+    tokens (short rows share a forward)."""
     num_gpus_per_worker: int = 1
-    """Devices per engine (actor_infer): the engine's tensor-parallel size."""
+    """Devices per engine (actor_infer): the engine's tensor-parallel size. Not read for the
+    other roles (one device per learner rank): a value other than 1 there is refused."""
 
 
 # ---------------------------------------------------------------------------------------------

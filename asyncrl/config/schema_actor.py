@@ -218,7 +218,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     ppo_mini_batch_size: int | None = None
-    """Sequences per optimizer step within an epoch; null: the whole rollout batch."""
+    """Sequences per optimizer step within an epoch (the last of an epoch takes what is left);
+    null: ROLL's global train batch when actor_train.training_args.gradient_accumulation_steps
+    is set (it must agree when both are), else the whole rollout batch."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """verl's sequences per micro-batch per device: the same value as
     `actor_train.training_args.per_device_train_batch_size` (one given wins; both given and

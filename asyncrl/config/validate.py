@@ -22,7 +22,9 @@ from asyncrl.config.learner_checks import (
     check_packing,
     check_parallel_sizes,
     check_reference,
+    check_unread_sizes,
 )
+from asyncrl.config.plan import derive_plan
 from asyncrl.config.rules import (  # the name tables are re-exported: tests read them here
     ADV_ESTIMATORS,
     CHECKPOINT_CONTENTS,
@@ -73,8 +75,10 @@ def validate(cfg: Config) -> None:
     check_reference(cfg)
     check_parallel_sizes(cfg)
     _check_unread(cfg)
+    check_unread_sizes(cfg)
     check_lora(cfg)
     check_packing(cfg)
+    derive_plan(cfg)  # the step plan: sizes that contradict each other are refused
     if cfg.env is not None:
         _check_env(cfg)
     _check_reward(cfg.rollout.reward_fn)

@@ -285,16 +285,16 @@ def warmup_steps(cfg: Config) -> tuple[str, int] | None:
     return "actor.optim.lr_warmup_steps_ratio", int(ratio * total_steps(cfg))
 
 
-def total_steps(cfg: Config) -> float:
+def total_steps(cfg: Config) -> int:
     """The schedule horizon: total_training_steps when > 0, else the run's optimizer steps
-    (what `run.py` passes the learner: max_steps × optimizer steps per rollout)."""
+    (the plan's `schedule_horizon`, what `run.py` passes the learner)."""
     from asyncrl.config.plan import derive_plan
 
     total = cfg.actor.optim.total_training_steps
     if total is not None and total > 0:
         return total
     _positive_micro(cfg)
-    return cfg.max_steps * derive_plan(cfg).optimizer_steps_per_rollout
+    return derive_plan(cfg).schedule_horizon
 
 
 def _positive_micro(cfg: Config) -> None:

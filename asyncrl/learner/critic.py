@@ -17,7 +17,8 @@ Settings a verl or ROLL user looks for, and where they live here:
 - the optimizer: `critic.training_args` (learning_rate, weight_decay, max_grad_norm, warmup and
   schedule; per_device_train_batch_size is the micro-batch), the kind and betas of `actor.optim`;
 - epochs and mini-batches: the actor's (`actor.ppo_epochs`, `ppo_mini_batch_size`, `shuffle`),
-  verl's critic defaults; value passes `critic.infer_batch_size` rows at a time;
+  verl's critic defaults, or ROLL's global batch from `critic.training_args`
+  (`asyncrl.config.plan.step_size`); value passes `critic.infer_batch_size` rows at a time;
 - `algorithm.cliprange_value` (verl `critic.cliprange_value`), `algorithm.critic_warmup`
   (verl `trainer.critic_warmup`: the learner skips the actor update for the first N steps).
 
@@ -35,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.algo.agg import agg_loss, masked_mean, masked_sum
+from asyncrl.config.plan import mini_batches
 from asyncrl.learner import packing
 from asyncrl.learner.dtensor import local_value as _full
 from asyncrl.learner.reference import vocab_size
@@ -226,7 +228,6 @@ class TorchCritic:
         """Every rank walks the same global mini-batches (same seed) over the whole batch and
         trains on the rows of each that it holds; the metrics are the whole batch's."""
         s, rows = self.settings, data["input_ids"].shape[0]
-        mini = s.mini_batch_size or rows
         gen = torch.Generator().manual_seed(self.updates)
         target = {"values": values.float(), "returns": returns.float(), "mask": mask.float()}
         sums: dict[str, float] = {}
@@ -234,9 +235,9 @@ class TorchCritic:
         self.model.train()
         for _ in range(s.ppo_epochs):
             order = torch.randperm(rows, generator=gen) if s.shuffle else torch.arange(rows)
-            for start in range(0, rows, mini):
+            for part in mini_batches(rows, s.mini_batch_size):  # the plan's steps
                 for key, value in self._mini_batch(
-                    data, target, order[start : start + mini]
+                    data, target, order[part.start : part.stop]
                 ).items():
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1

@@ -33,6 +33,7 @@ from asyncrl.algo.kl import (
 )
 from asyncrl.algo.losses import LOSSES_NEEDING_BEHAV, PolicyLossParams
 from asyncrl.algo.rejection import rejection_mask
+from asyncrl.config.plan import optimizer_steps
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig, TrainingArgs
 from asyncrl.types import NOT_GENERATED
 
@@ -216,11 +217,16 @@ def rollout_is_settings(alg: AlgorithmConfig) -> RolloutIS:
 
 
 def prox_from_training_forward(
-    alg: AlgorithmConfig, actor: ActorConfig, rows: int, stochastic_forward: bool
+    alg: AlgorithmConfig,
+    actor: ActorConfig,
+    rows: int,
+    stochastic_forward: bool,
+    step_size: int | None,
 ) -> bool:
     """Whether a step of `rows` rows may take its proximal logprobs from the training forward
     (detached) instead of a separate no-grad pass (AReaL's `prox_logp_method`): decoupled
-    correction; one optimizer step over the batch (ppo_epochs 1, one mini-batch), so every
+    correction; one optimizer step over the batch (ppo_epochs 1, one mini-batch of the plan's
+    `step_size`, `asyncrl.config.plan`), so every
     micro-batch's forward runs the weights that are the proximal policy; a deterministic
     forward (no dropout); and nothing that reads the whole batch's proximal logprobs before the
     first micro-batch's loss: KL-in-reward (the advantages), rejection sampling and batch
@@ -228,8 +234,7 @@ def prox_from_training_forward(
     per row, so each micro-batch computes its own; the metrics come from the whole batch."""
     return (
         alg.correction_mode == "decoupled"
-        and actor.ppo_epochs == 1
-        and (actor.ppo_mini_batch_size or rows) >= rows
+        and optimizer_steps(rows, step_size, actor.ppo_epochs) == 1
         and not stochastic_forward
         and not alg.use_kl_in_reward
         and not alg.rollout_rs

@@ -32,6 +32,7 @@ import torch
 
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
+from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
 from asyncrl.learner.collate import collate
 from asyncrl.learner.megatron.args import check_options, plan
@@ -102,6 +103,9 @@ class MegatronWorker:
         rows = self.shape.vocab_rows if self.shape else 0
         self.plan = plan(train, actor.optim, hf, rows, builtin=self.shape is not None)
         init_parallel(self.plan, seed)
+        # Sequences per optimizer step by the plan's rule (`asyncrl.config.plan`): the steps
+        # taken are those the schedule (`lr_factor`) was sized for.
+        self.step_size = step_size(actor, train.training_args, self._ranks()[0])
         self.built = self._build(self.model_path, trainable=True)
         self.reference = None
         if actor.use_kl_loss:  # the reference policy: frozen, the actor's layout and dtype
@@ -262,7 +266,6 @@ class MegatronWorker:
 
     def _optimise(self, data: dict, prep: dict | None) -> dict[str, float]:
         rows = data["tokens"].shape[0]
-        mini = self.actor.ppo_mini_batch_size or rows
         gen = torch.Generator().manual_seed(self.version)
         dp, dp_rank, _ = self._ranks()
         sums: dict[str, float] = {}
@@ -271,8 +274,8 @@ class MegatronWorker:
             order = (
                 torch.randperm(rows, generator=gen) if self.actor.shuffle else torch.arange(rows)
             )
-            for start in range(0, rows, mini):
-                batch = order[start : start + mini]
+            for part in mini_batches(rows, self.step_size):  # the plan's steps
+                batch = order[part.start : part.stop]
                 mine = batch[shard_rows(len(batch), dp, dp_rank)]
                 for key, value in self._mini_batch(data, prep, mine, batch).items():
                     sums[key] = sums.get(key, 0.0) + value

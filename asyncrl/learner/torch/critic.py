@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.config.plan import step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.device import torch_dtype
 from asyncrl.learner.critic import CriticSettings, TorchCritic, ValueModel, critic_model_path
@@ -53,7 +54,8 @@ def build_critic(
         cliprange_value=algorithm.cliprange_value,
         loss_agg_mode=actor.loss_agg_mode,
         ppo_epochs=actor.ppo_epochs,
-        mini_batch_size=actor.ppo_mini_batch_size,
+        # the plan's rule over the critic's own micro-batch and accumulation
+        mini_batch_size=step_size(actor, targs, world_size, "critic"),
         micro_batch_size=targs.per_device_train_batch_size,
         infer_batch_size=section.infer_batch_size,
         max_grad_norm=targs.max_grad_norm,

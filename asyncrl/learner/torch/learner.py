@@ -22,6 +22,7 @@ import torch
 from asyncrl.algo.advantages import outcome_token_rewards
 from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
+from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.learner import lean, lora, packing
 from asyncrl.learner import logprobs as lp
@@ -40,7 +41,9 @@ class TorchLearner:
     """`Learner` over a transformers causal LM. Receives only its own sub-configs:
     `actor_train` (`train`), `actor`, `algorithm`, `reference` (the KL reference policy's
     section; None: a frozen copy of the initial actor, see `asyncrl.learner.reference`) and
-    `critic` (the value model's section; None: no critic)."""
+    `critic` (the value model's section; None: no critic). `total_steps`: the actor's optimizer
+    steps over the run, its schedule's length (`BatchPlan.actor_optimizer_steps`);
+    `critic_total_steps` the critic's (None: `total_steps`)."""
 
     def __init__(
         self,
@@ -56,12 +59,15 @@ class TorchLearner:
         world_size: int = 1,
         reference: WorkerConfig | None = None,
         critic: WorkerConfig | None = None,
+        critic_total_steps: int | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         # Before the model loads: a gae run without a critic fails at once
         obj.check_learner_side(algorithm, critic is not None, world_size)
         self.rollout_is = obj.rollout_is_settings(algorithm)  # likewise a bad IS setting
+        # The plan's step size: the steps taken are those the schedule is sized for (or fail now)
+        self.step_size = step_size(actor, train.training_args, world_size)
         # Likewise a reference section that cannot be honoured (vocabulary, devices).
         uses_ref = actor.use_kl_loss or algorithm.use_kl_in_reward
         self.reference_spec = reference_spec(reference, model_path, train, uses_ref)
@@ -94,8 +100,9 @@ class TorchLearner:
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
         self.critic: Critic | None = None
         if critic is not None:
+            critic_steps = total_steps if critic_total_steps is None else critic_total_steps
             self.critic = torch_critic.build_critic(critic, model_path, actor, algorithm,
-                                                    device, total_steps, rank, world_size)  # fmt: skip
+                                                    device, critic_steps, rank, world_size)  # fmt: skip
         self.kl_ctrl = obj.kl_controller(algorithm)  # None unless use_kl_in_reward
         self.stochastic_forward = lp.has_dropout(self.model)
 
@@ -114,7 +121,7 @@ class TorchLearner:
         pad = 1.0 - float(data["attention_mask"].float().mean())
         warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
         reuse = not warmup and obj.prox_from_training_forward(
-            self.algorithm, self.actor, total_rows, self.stochastic_forward
+            self.algorithm, self.actor, total_rows, self.stochastic_forward, self.step_size
         )
         if self.world_size > 1:  # batch-level advantages see every row, then each its shard
             data, prep, metrics, adv_metrics = self._sharded_advantages(data, total_rows, reuse)
@@ -231,9 +238,9 @@ class TorchLearner:
     def _optimise(
         self, data: dict[str, torch.Tensor], prep: dict[str, Any], total_rows: int
     ) -> dict[str, float]:
-        """`ppo_epochs` passes of global mini-batches; every rank walks the same global order
-        (same seed) and trains on the rows of each mini-batch that it holds."""
-        mini = self.actor.ppo_mini_batch_size or total_rows
+        """`ppo_epochs` passes of global mini-batches (`plan.mini_batches`: the steps the plan
+        counts); every rank walks the same global order (same seed) and trains on the rows of
+        each mini-batch that it holds."""
         gen = torch.Generator().manual_seed(self.version)
         sums: dict[str, float] = {}
         updates = 0
@@ -243,8 +250,8 @@ class TorchLearner:
             order = torch.arange(total_rows)
             if self.actor.shuffle:
                 order = torch.randperm(total_rows, generator=gen)
-            for start in range(0, total_rows, mini):
-                rows = order[start : start + mini]
+            for part in mini_batches(total_rows, self.step_size):
+                rows = order[part.start : part.stop]
                 local = rows[rows % self.world_size == self.rank] // self.world_size
                 for key, value in self._mini_batch(data, prep, local, len(rows)).items():
                     sums[key] = sums.get(key, 0.0) + value
