@@ -92,10 +92,10 @@ def test_lora_policy_and_its_adapter_off_reference(targets):
         torch.nn.init.normal_(layer.lora_B[lora.ADAPTER].weight, std=0.1)
     data = _tensors()
     adapted = "lm_head" in targets
-    assert (lp.output_head(policy) is None) == adapted
+    assert (chunked.output_head(policy) is None) == adapted
     _assert_same(policy, data, lambda: lp.token_logprobs(policy, data, 0.7, True))
     reference = lora.AdapterOff(policy)
-    assert type(lp.output_head(reference)) is torch.nn.Linear
+    assert type(chunked.output_head(reference)) is torch.nn.Linear
     with torch.no_grad():
         got = lp.token_logprobs(reference, data, 0.7)[0]
         with policy.disable_adapter():
@@ -113,3 +113,20 @@ def test_batched_and_budget_logprobs_equal_whole_logits():
         for got in (lp.batched_logprobs(model, data, 0.7, 3), lp.budget_logprobs(model, data, 0.7, 40),
                     lp.batched_logprobs(model, data, 0.7, 3, pack_budget=32)):  # fmt: skip
             torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_only_plain_heads_are_projected_in_chunks():
+    """Another model type keeps the model's own logits; a head that does more than project
+    (here a hook doubling them: a soft-cap or scale) is refused, never scored wrongly."""
+    model, data = _model(), _tensors()
+    model.config.model_type = "gemma2"  # soft-caps its logits in the model's forward
+    assert chunked.output_head(model) is None
+    widths = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: widths.append(o.shape[-2]))
+    lp.token_logprobs(model, data, 1.0)
+    assert widths == [data["input_ids"].shape[1]]
+    hook.remove()
+    model.config.model_type = "qwen2"
+    model.lm_head.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.raises(RuntimeError, match="not its LM head applied"):
+        lp.token_logprobs(model, data, 1.0)

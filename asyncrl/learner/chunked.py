@@ -14,15 +14,22 @@ divided by the temperature when it is > 0 (SGLang's logprob is of logits / T; T 
 log softmax at the target and the entropy logsumexp(z) - sum softmax(z) * z. Gradients (z the
 scaled logits, p = softmax(z)): d logp / dz = onehot(target) - p and
 d entropy / dz = -p * (z - E_p[z]), then through the scale and the linear layer.
+
+The model side (`output_head`, `forward`, `picked`): which models' heads are projected here (a
+plain linear head of a type whose logits are nothing more, on one process) and their forward
+with the final hidden states out and one position's logits in place of every position's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from asyncrl.learner.lora import AdapterOff
 
 #: fp32 bytes of one chunk's [tokens x vocabulary] logits (~110 tokens at a 152k vocabulary):
 #: small against one [T x V] tensor at the lengths that matter, large enough for full matmuls.
@@ -32,6 +39,11 @@ CHUNK_BYTES = 64 << 20
 def chunk_tokens(vocab: int, chunk_bytes: int | None = None) -> int:
     """Tokens per chunk so that one chunk's fp32 logits take about `chunk_bytes`."""
     return max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab))
+
+
+#: Model types whose logits are exactly the LM head on the last hidden states (no soft-cap as
+#: Gemma 2's, no scale as Cohere's or Granite's): the ones `output_head` projects in chunks.
+PLAIN_HEAD_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 @dataclass
@@ -46,6 +58,12 @@ class Projection:
     def logits(self) -> torch.Tensor:
         """The whole [..., V] fp32 logits (what the chunked path avoids; for checks)."""
         return F.linear(self.hidden, self.weight, self.bias).float()
+
+
+#: The logits that predict response tokens: as a `Projection` (the final hidden states and the
+#: LM head's weight, projected a chunk of tokens at a time), or, where the model's head is not
+#: one `output_head` takes, the [..., V] logits themselves.
+Logits = Projection | torch.Tensor
 
 
 def token_logprobs(
@@ -142,3 +160,64 @@ class _ChunkedScore(torch.autograd.Function):
         grad_w = grad_w.to(weight.dtype) if want_w else None
         grad_b = grad_b.to(bias.dtype) if want_b else None
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+# -- the model side: what head a model has, and its forward without every position's logits --
+def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head that projects `model`'s final hidden states where it is a plain linear
+    layer (so `chunked` can apply its weight): a peft model's is its base model's; the
+    adapter-off reference of a LoRA policy reads the base layer of an adapted head (the
+    adapter is off). None: the model's own forward computes the logits: an adapted head, or an
+    FSDP2-sharded model (its root reshards the head's weight after each forward, and its
+    gradient must reach the reduce-scatter FSDP2 runs: not done yet)."""
+    off = isinstance(model, AdapterOff)
+    inner = model._policy[0] if off else model  # AdapterOff keeps the policy out of its tree
+    if getattr(inner, "config", None) is None:
+        return None
+    if _sharded(inner) or getattr(inner.config, "model_type", None) not in PLAIN_HEAD_TYPES:
+        return None
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if off and hasattr(head, "get_base_layer"):
+        head = head.get_base_layer()
+    return head if type(head) is torch.nn.Linear else None
+
+
+def forward(model: torch.nn.Module, **inputs: Any) -> Any:
+    """`model(**inputs)`; where `output_head` is taken, with the final hidden states out and
+    the logits of one position only (unused: a forward computes some), never all of them."""
+    if output_head(model) is None:
+        return model(**inputs)
+    return model(**inputs, output_hidden_states=True, logits_to_keep=1)
+
+
+def picked(
+    model: torch.nn.Module, out: Any, pick: Callable[[torch.Tensor], torch.Tensor]
+) -> Logits:
+    """The logits at the positions `pick` takes from a `forward`'s output `out` ([B, S, ...] ->
+    [..., ...]): a `Projection` of its final hidden states, or its fp32 logits."""
+    head = output_head(model)
+    if head is None:
+        return pick(out.logits).float()
+    hidden = out.hidden_states[-1]
+    _check_head(out.logits[:, -1], hidden[:, -1], head)
+    return Projection(pick(hidden), head.weight, head.bias)
+
+
+@torch.no_grad()
+def _check_head(logits: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Linear) -> None:
+    """The one position's logits the forward computed are the head on its hidden state: else
+    the chunked scores would not be the model's (a head that does more than project)."""
+    mine = torch.nn.functional.linear(hidden, head.weight, head.bias)
+    if not torch.allclose(mine.float(), logits.float(), rtol=1e-2, atol=1e-3):
+        raise RuntimeError(
+            "the model's logits are not its LM head applied to its last hidden states: the "
+            "chunked logprobs cannot score it (its model type must leave PLAIN_HEAD_TYPES)"
+        )
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` (or a module inside it) is FSDP2-sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())

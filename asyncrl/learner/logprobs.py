@@ -4,6 +4,10 @@ Layout (see `asyncrl.learner.collate.collate`): `input_ids = [left-padded prompt
 response (R)]`. The logit that predicts response token j sits at position P - 1 + j, so the
 response logits are the slice [P - 1, P + R - 1). SGLang's logprob is of `logits / T`, hence the
 division by the same temperature (T = 0 means greedy; the engine reports raw logits then).
+The forwards return the final hidden states, not the logits: only the response positions' are
+projected through the LM head, a chunk of tokens at a time (`asyncrl.learner.chunked`), so no
+[tokens x vocabulary] tensor exists whole (`output_head` says where the model's own logits are
+computed instead).
 With `actor.use_dynamic_bsz` the same values come from packed forwards of the real tokens only
 (`asyncrl.learner.packing`), unpacked into this layout. With a process group of W > 1 ranks
 every function here runs the same number of forwards on every rank (FSDP2's are collectives).
@@ -12,59 +16,17 @@ every function here runs the same number of forwards on every rank (FSDP2's are 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from asyncrl.algo.kl import entropy_from_logits
 from asyncrl.config.schema import ActorConfig
 from asyncrl.learner import chunked, packing
-from asyncrl.learner.chunked import Projection
-from asyncrl.learner.lora import AdapterOff
+from asyncrl.learner.chunked import Projection, forward, output_head, picked
 
-#: The logits that predict response tokens: as a `Projection` (the final hidden states and the
-#: LM head's weight, projected a chunk of tokens at a time by `chunked`), or, where the model's
-#: head is not a plain linear layer (`output_head`), the [..., V] logits themselves.
-Logits = Projection | torch.Tensor
+Logits = chunked.Logits
 #: (model, the padded batch's tensors) -> the logits [B, R, V] that predict its response tokens.
 LogitsFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], Logits]
-
-
-def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The LM head that projects `model`'s final hidden states where it is a plain linear
-    layer (so `chunked` can apply its weight): a peft model's is its base model's; the
-    adapter-off reference of a LoRA policy reads the base layer of an adapted head (the
-    adapter is off). None: the model's own forward computes the logits: an adapted head, or an
-    FSDP2-sharded model (its root reshards the head's weight after each forward, and its
-    gradient must reach the reduce-scatter FSDP2 runs: not done yet)."""
-    off = isinstance(model, AdapterOff)
-    inner = model._policy[0] if off else model  # AdapterOff keeps the policy out of its tree
-    if is_sharded(inner):
-        return None
-    get = getattr(inner, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if off and hasattr(head, "get_base_layer"):
-        head = head.get_base_layer()
-    return head if type(head) is torch.nn.Linear else None
-
-
-def forward(model: torch.nn.Module, **inputs: Any) -> Any:
-    """`model(**inputs)`; where `output_head` is taken, with the final hidden states out and
-    the logits of one position only (unused: a forward computes some), never all of them."""
-    if output_head(model) is None:
-        return model(**inputs)
-    return model(**inputs, output_hidden_states=True, logits_to_keep=1)
-
-
-def picked(
-    model: torch.nn.Module, out: Any, pick: Callable[[torch.Tensor], torch.Tensor]
-) -> Logits:
-    """The logits at the positions `pick` takes from a `forward`'s output `out` ([B, S, ...] ->
-    [..., ...]): a `Projection` of its final hidden states, or its fp32 logits."""
-    head = output_head(model)
-    if head is None:
-        return pick(out.logits).float()
-    return Projection(pick(out.hidden_states[-1]), head.weight, head.bias)
 
 
 def score(
