@@ -8,13 +8,14 @@ step above its RSS before it (`common.PeakMemory`: VmHWM after a /proc/self/clea
 glibc serving every block over 128 KB by mmap so freed memory leaves RSS at once); torch's CPU
 allocator has no peak counter and tracemalloc does not see it.
 
-What the vocabulary costs: the same step with a small vocabulary (4,096) is the body's
-activations and one-off allocations; from the difference the embedding's gradient and AdamW
-moments (3 x (V - v) x H fp32, computed) are taken out. The rest is what the logprobs' LM head
-projection holds, compared with one fp32 [R x V] tensor (target: <= half of one; the
-whole-logits path it replaced held ~4). That path (`--old-sizes`: the same learner with the
-head's logits computed whole, as before) is measured only where 5 such tensors fit under
-`--old-limit-gb` (the box is shared).
+What the vocabulary costs: the peak above the same step's with a small vocabulary (4,096: the
+body's activations and one-off allocations). That difference also holds whatever of the
+embedding's gradient and AdamW moments (3 x (V - v) x H fp32, `state_diff_bytes`) is live at
+the peak, so it bounds what the logprobs' LM head projection holds from above. It is compared
+with one fp32 [R x V] tensor (target: <= half of one; the whole-logits path it replaced held
+~4-5). That path (`--old-sizes`: the same learner with the model's own logits over every
+position, as before) is measured only where 5 such tensors fit under `--old-limit-gb` (the box
+is shared).
 """
 
 from __future__ import annotations
@@ -114,11 +115,11 @@ def measure(args: Any, tmp: Path) -> list[dict[str, Any]]:
         state = 3 * (args.vocab - args.small_vocab) * args.hidden * 4  # grad + AdamW m, v
         row = {"tokens": tokens, "one_logits_bytes": one, "state_diff_bytes": state,
                "peak_small_vocab": run["small"], "peak_chunked": run["chunked"],
-               "vocab_chunked": run["chunked"] - run["small"] - state}  # fmt: skip
+               "vocab_chunked": run["chunked"] - run["small"]}  # fmt: skip
         row["vocab_chunked_x_logits"] = row["vocab_chunked"] / one
         if "whole" in run:
             row["peak_whole"] = run["whole"]
-            row["vocab_whole_x_logits"] = (run["whole"] - run["small"] - state) / one
+            row["vocab_whole_x_logits"] = (run["whole"] - run["small"]) / one
         rows.append(row)
     return rows
 
