@@ -69,13 +69,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from _train_scale import build_learner, learner_config
     from common import PeakMemory, strict_malloc
 
+    from asyncrl.learner import chunked
     from asyncrl.learner import logprobs as lp
     from asyncrl.threads import torch_threads
 
     torch.manual_seed(0)
     model_dir = _model_dir(Path(spec["dir"]), spec["vocab"], spec["hidden"], spec["layers"])
     if spec["path"] == "whole":  # the replaced path: the model's own logits, every position
-        lp.output_head = lambda model: None
+        chunked.output_head = lp.output_head = lambda model: None
     cfg = learner_config(1, "fp32", ["actor.share_prompt_forward=false"])
     learner = build_learner(model_dir, cfg, "cpu")
     groups = [_group(spec["tokens"], spec["vocab"])]
@@ -83,7 +84,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     with torch_threads(spec["threads"]), PeakMemory() as peak:
         metrics = learner.step(groups)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in learner.model.parameters())
-    return {"peak_bytes": peak.bytes, "loss": metrics["actor/pg_loss"]}
+    return {"peak_bytes": peak.bytes, "loss": metrics["actor/pg_loss"],
+            "chunked": chunked.output_head(learner.model) is not None}  # fmt: skip
 
 
 def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +112,10 @@ def measure(args: Any, tmp: Path) -> list[dict[str, Any]]:
                 continue
             folder = tmp / f"{name}-{tokens}"
             spec = {**base, "vocab": vocab, "path": path, "dir": str(folder)}
-            run[name] = _run_child(spec)["peak_bytes"]
+            out = _run_child(spec)
+            if out["chunked"] != (path == "chunked"):  # the path measured is the one named
+                raise RuntimeError(f"memory child {spec} ran the other logprob path")
+            run[name] = out["peak_bytes"]
             print(f"  {tokens} tokens, {name}: {run[name] / 2**20:.0f} MiB", flush=True)
         state = 3 * (args.vocab - args.small_vocab) * args.hidden * 4  # grad + AdamW m, v
         row = {"tokens": tokens, "one_logits_bytes": one, "state_diff_bytes": state,
