@@ -112,3 +112,17 @@ def test_exact_in_float64():
         _grads(got, params, g_lp, g_ent), _grads(want, params, g_lp, g_ent), strict=True
     ):
         torch.testing.assert_close(a, b.to(a.dtype), atol=1e-10, rtol=1e-10)
+
+
+def test_backward_keeps_no_logits():
+    """What autograd keeps for backward: the inputs and two floats per token, no [N, V]."""
+    hidden, weight, bias, targets = _inputs()
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked.token_logprobs(chunked.Projection(hidden, weight, bias), targets, 0.7, True, 4)
+    assert sorted(saved) == sorted([(21, 16), (50, 16), (50,), (21,), (21,), (21,)])
