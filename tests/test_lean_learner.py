@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import random_qwen2
 from test_decoder import _llama
-from test_shared_prompt import _groups, _learner, _tensors
+from test_shared_prompt import _groups, _learner, _tensors, full
 
 from asyncrl.learner import lean
 from asyncrl.learner import logprobs as lp
@@ -26,9 +26,9 @@ def _grads(model: torch.nn.Module, fn, data: dict) -> tuple[torch.Tensor, list[t
     model.zero_grad()
     logits = fn(model, data)
     mask = data["response_mask"]
-    logp, _ = lp._score(logits.float(), data["input_ids"][:, -mask.shape[1] :], False)
+    logp, _ = lp.score(logits, data["input_ids"][:, -mask.shape[1] :], 1.0, False)
     (logp * data["advantages"] * mask).sum().backward()
-    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+    return full(logits).detach(), [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -54,8 +54,8 @@ def test_lean_logits_equal_transformers_in_bf16():
     data = _tensors()
     real = data["response_mask"].bool()
     with torch.no_grad():
-        got = lean.lean_shared_logits_for(model)(model, data)
-        want = lp.shared_prompt_logits(model, data)
+        got = full(lean.lean_shared_logits_for(model)(model, data))
+        want = full(lp.shared_prompt_logits(model, data))
     torch.testing.assert_close(got[real], want[real], rtol=2e-2, atol=2e-2)
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import load_config
 from asyncrl.config.schema import ModelArgs
 from asyncrl.learner import logprobs as lp
+from asyncrl.learner.chunked import Projection
 from asyncrl.learner.collate import collate
 from asyncrl.learner.torch.learner import TorchLearner
 from asyncrl.types import TrajectoryGroup
@@ -36,6 +37,11 @@ def _groups(seed: int = 0) -> list[TrajectoryGroup]:
     return out
 
 
+def full(logits: lp.Logits) -> torch.Tensor:
+    """The whole [..., V] fp32 logits of what a `LogitsFn` returns (a `Projection` or them)."""
+    return logits.logits() if isinstance(logits, Projection) else logits
+
+
 def _tensors(rows: slice | None = None) -> dict[str, torch.Tensor]:
     data = collate(_groups()).to_torch("cpu")
     data["response_mask"] = data["response_mask"].float()
@@ -51,14 +57,15 @@ def test_shared_prompt_logits_equal_running_every_row_whole(tiny_model, rows):
     mask = data["response_mask"].bool()
     model.eval()
     with torch.no_grad():
-        whole, shared = lp.response_logits(model, data), lp.shared_prompt_logits(model, data)
+        whole = full(lp.response_logits(model, data))
+        shared = full(lp.shared_prompt_logits(model, data))
     assert whole.shape == shared.shape
     torch.testing.assert_close(shared[mask], whole[mask], rtol=0, atol=1e-5)
     model.train()
     grads = []
     for fn in (lp.response_logits, lp.shared_prompt_logits):
         model.zero_grad()
-        logp, _ = lp._score(fn(model, data), data["input_ids"][:, -mask.shape[1] :], False)
+        logp, _ = lp.score(fn(model, data), data["input_ids"][:, -mask.shape[1] :], 1.0, False)
         (logp * data["advantages"] * data["response_mask"]).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):

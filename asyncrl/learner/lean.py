@@ -26,6 +26,7 @@ import torch
 
 from asyncrl import llama
 from asyncrl.config.schema import ActorConfig, WorkerConfig
+from asyncrl.learner.chunked import Projection
 from asyncrl.learner.logprobs import LogitsFn, has_dropout, prompt_owners, shared_prompt_logits
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,11 @@ def lean_shared_logits_for(model: torch.nn.Module) -> LogitsFn | None:
 
 def _shared_prompt_logits(
     ops: llama.Llama, model: torch.nn.Module, tensors: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """[B, R, V] logits predicting each response token (`model` is `ops.model`). The prompt
-    pass runs one row per group and keeps each layer's (k, v); the response pass gathers them
-    out to the group's rows and attends to them, causally over the row's own tokens."""
+) -> Projection:
+    """[B, R, V] logits predicting each response token (`model` is `ops.model`), as the final
+    hidden states and the LM head (`logprobs.Logits`: projected in chunks). The prompt pass
+    runs one row per group and keeps each layer's (k, v); the response pass gathers them out
+    to the group's rows and attends to them, causally over the row's own tokens."""
     resp_len = tensors["response_mask"].shape[1]
     prompt_len = tensors["input_ids"].shape[1] - resp_len
     ids, mask, pos = tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]
@@ -70,7 +72,7 @@ def _shared_prompt_logits(
         llama.prefill_mask(mask[heads, :prompt_len]),
     )
     # The prompt's last position (never padding: prompts are left-padded) predicts token 0.
-    first = ops.logits(h[:, -1])[owner]
+    first = llama.norm(h[:, -1], model.model.norm)[owner]
 
     def join(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_p, v_p = prompt_kv[i]  # the group's prompt, gathered out to each of its rows
@@ -80,8 +82,9 @@ def _shared_prompt_logits(
         ops.embed(ids[:, prompt_len:]), pos[:, prompt_len:], _response_mask(mask, prompt_len), join
     )
     # Response token j predicts token j + 1: the last response position predicts nothing.
-    rest = ops.logits(h[:, : resp_len - 1])
-    return torch.cat([first[:, None], rest], dim=1).float()
+    rest = llama.norm(h[:, : resp_len - 1], model.model.norm)
+    head = model.lm_head  # `llama.unsupported`: a plain linear layer
+    return Projection(torch.cat([first[:, None], rest], dim=1), head.weight, head.bias)
 
 
 def _response_mask(mask: torch.Tensor, prompt_len: int) -> torch.Tensor:

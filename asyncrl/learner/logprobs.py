@@ -4,6 +4,10 @@ Layout (see `asyncrl.learner.collate.collate`): `input_ids = [left-padded prompt
 response (R)]`. The logit that predicts response token j sits at position P - 1 + j, so the
 response logits are the slice [P - 1, P + R - 1). SGLang's logprob is of `logits / T`, hence the
 division by the same temperature (T = 0 means greedy; the engine reports raw logits then).
+The forwards return the final hidden states, not the logits: only the response positions' are
+projected through the LM head, a chunk of tokens at a time (`asyncrl.learner.chunked`), so no
+[tokens x vocabulary] tensor exists whole (`output_head` says where the model's own logits are
+computed instead).
 With `actor.use_dynamic_bsz` the same values come from packed forwards of the real tokens only
 (`asyncrl.learner.packing`), unpacked into this layout. With a process group of W > 1 ranks
 every function here runs the same number of forwards on every rank (FSDP2's are collectives).
@@ -17,23 +21,38 @@ import torch
 
 from asyncrl.algo.kl import entropy_from_logits
 from asyncrl.config.schema import ActorConfig
-from asyncrl.learner import packing
+from asyncrl.learner import chunked, packing
+from asyncrl.learner.chunked import Projection, forward, output_head, picked
 
+Logits = chunked.Logits
 #: (model, the padded batch's tensors) -> the logits [B, R, V] that predict its response tokens.
-LogitsFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+LogitsFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], Logits]
 
 
-def response_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def score(
+    logits: Logits, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T)[target] (T = 0: the raw logits) and optionally the entropy:
+    chunked for a `Projection`, else on the fp32 logits."""
+    if isinstance(logits, Projection):
+        return chunked.token_logprobs(logits, targets, temperature, with_entropy)
+    if temperature > 0:
+        logits = logits / temperature
+    return _score(logits, targets, with_entropy)
+
+
+def response_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Logits:
     """Logits [B, R, V] that predict each response token."""
     resp_len = tensors["response_mask"].shape[1]
     prompt_len = tensors["input_ids"].shape[1] - resp_len
-    out = model(
+    out = forward(
+        model,
         input_ids=tensors["input_ids"],
         attention_mask=tensors["attention_mask"],
         position_ids=tensors["position_ids"],
         use_cache=False,
     )
-    return out.logits[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
+    return picked(model, out, lambda x: x[:, prompt_len - 1 : prompt_len - 1 + resp_len])
 
 
 def token_logprobs(
@@ -51,13 +70,11 @@ def token_logprobs(
     if packed:
         return packed_token_logprobs(model, tensors, temperature, with_entropy)
     logits = (logits_fn or response_logits)(model, tensors)
-    if temperature > 0:
-        logits = logits / temperature
-    targets = tensors["input_ids"][:, -logits.shape[1] :]
-    return _score(logits, targets, with_entropy)
+    width = (logits.hidden if isinstance(logits, Projection) else logits).shape[1]
+    return score(logits, tensors["input_ids"][:, -width:], temperature, with_entropy)
 
 
-def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Logits:
     """`response_logits` with each group's prompt run once: rows of one group are consecutive
     and share their prompt columns (`collate`'s layout, `group_index`), so the prompt forward
     covers one row per group and its KV cache is gathered out to the group's rows, whose
@@ -69,7 +86,8 @@ def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     prompt_len = tensors["input_ids"].shape[1] - resp_len
     heads, owner = prompt_owners(tensors["group_index"])
     cols = slice(0, prompt_len)
-    out = model(
+    out = forward(
+        model,
         input_ids=tensors["input_ids"][heads, cols],
         attention_mask=tensors["attention_mask"][heads, cols],
         position_ids=tensors["position_ids"][heads, cols],
@@ -77,7 +95,8 @@ def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     )
     cache = out.past_key_values
     cache.batch_select_indices(owner)  # differentiable: an index into each layer's K and V
-    rest = model(
+    rest = forward(
+        model,
         input_ids=tensors["input_ids"][:, prompt_len:],
         attention_mask=tensors["attention_mask"],
         position_ids=tensors["position_ids"][:, prompt_len:],
@@ -85,8 +104,11 @@ def shared_prompt_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         use_cache=True,
     )
     # The prompt's last logit predicts response token 0; response token j predicts j + 1.
-    logits = torch.cat([out.logits[owner, -1:], rest.logits[:, : resp_len - 1]], dim=1)
-    return logits.float()
+    first = picked(model, out, lambda x: x[owner, -1:])
+    later = picked(model, rest, lambda x: x[:, : resp_len - 1])
+    if isinstance(first, Projection):
+        return Projection(torch.cat([first.hidden, later.hidden], dim=1), first.weight, first.bias)
+    return torch.cat([first, later], dim=1)
 
 
 def prompt_owners(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +138,10 @@ def packed_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` from one packed forward of the rows' real tokens (`packing.pack`): the
     same [B, R] results (0.0 at padding), the same temperature rule, no padded token computed.
-    Only the logits that predict response tokens are projected (`logits_to_keep`)."""
+    Only the logits that predict response tokens are projected (chunked where `output_head`
+    is taken, else through `logits_to_keep`)."""
     packed = packing.pack(tensors, one_row=packing.varlen_attention(model))
+    chunked_head = output_head(model) is not None
     keep = packed.keep
     if keep.numel() == 0:  # no response token: one logit keeps the graph (and FSDP) connected
         keep = torch.tensor([packed.input_ids.shape[1] - 1], device=keep.device)
@@ -126,16 +150,19 @@ def packed_token_logprobs(
         position_ids=packed.position_ids,
         attention_mask=None,  # boundaries come from position_ids (see `asyncrl.learner.packing`)
         use_cache=False,
-        logits_to_keep=keep,
+        # chunked: the hidden states, and one position's logits (unused) in place of the rest
+        logits_to_keep=1 if chunked_head else keep,
+        **({"output_hidden_states": True} if chunked_head else {}),
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])[packed.select].float()
-    if temperature > 0:
-        logits = logits / temperature
     if packed.logit_index.numel() == 0:
         anchor = out.logits.sum() * 0.0
-        zeros = torch.zeros(packed.shape, device=logits.device) + anchor
+        zeros = torch.zeros(packed.shape, device=out.logits.device) + anchor
         return zeros, (zeros.clone() if with_entropy else None)
-    logprobs, entropy = _score(logits, packed.targets, with_entropy)
+    if chunked_head:
+        logits = picked(model, out, lambda x: x.reshape(-1, x.shape[-1])[packed.logit_index])
+    else:
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[packed.select].float()
+    logprobs, entropy = score(logits, packed.targets, temperature, with_entropy)
     entropy = packing.unpack(entropy, packed) if entropy is not None else None
     return packing.unpack(logprobs, packed), entropy
 

@@ -1,0 +1,223 @@
+"""Log-probabilities and entropy of target tokens from hidden states, the LM head projected a
+chunk of tokens at a time: the [tokens x vocabulary] logits never exist whole.
+
+Why: with a 151,936-token vocabulary one fp32 row of logits is 0.6 MB, so 16k response tokens
+are ~10 GB per [T, V] tensor, and the plain path (logits, their fp32 cast, logsumexp, softmax
+for the entropy, each kept for backward) holds several. Here the forward keeps, per token, only
+its logsumexp and entropy; the backward recomputes each chunk's logits from the saved hidden
+states and the head's weight and turns them into the gradients at once (verl's chunked entropy
+and Liger's fused linear cross-entropy do the same). Peak extra memory: ~2-3 [chunk x V] fp32
+tensors (`CHUNK_BYTES` each) and one fp32 [V x H] gradient accumulator.
+
+The arithmetic is the plain path's: logits = h @ W.T (+ b) in the head's dtype, cast to fp32,
+divided by the temperature when it is > 0 (SGLang's logprob is of logits / T; T = 0: raw), then
+log softmax at the target and the entropy logsumexp(z) - sum softmax(z) * z. Gradients (z the
+scaled logits, p = softmax(z)): d logp / dz = onehot(target) - p and
+d entropy / dz = -p * (z - E_p[z]), then through the scale and the linear layer.
+
+The model side (`output_head`, `forward`, `picked`): which models' heads are projected here (a
+plain linear head of a type whose logits are nothing more, on one process) and their forward
+with the final hidden states out and one position's logits in place of every position's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncrl.learner.lora import AdapterOff
+
+#: fp32 bytes of one chunk's [tokens x vocabulary] logits (~110 tokens at a 152k vocabulary):
+#: small against one [T x V] tensor at the lengths that matter, large enough for full matmuls.
+CHUNK_BYTES = 64 << 20
+
+
+def chunk_tokens(vocab: int, chunk_bytes: int | None = None) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about `chunk_bytes`."""
+    return max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab))
+
+
+#: Model types whose logits are exactly the LM head on the last hidden states (no soft-cap as
+#: Gemma 2's, no scale as Cohere's or Granite's): the ones `output_head` projects in chunks.
+PLAIN_HEAD_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+@dataclass
+class Projection:
+    """Hidden states [..., H] and the LM head (weight [V, H], bias [V] or None) that turns
+    them into logits: the logits without computing them."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def logits(self) -> torch.Tensor:
+        """The whole [..., V] fp32 logits (what the chunked path avoids; for checks)."""
+        return F.linear(self.hidden, self.weight, self.bias).float()
+
+
+#: The logits that predict response tokens: as a `Projection` (the final hidden states and the
+#: LM head's weight, projected a chunk of tokens at a time), or, where the model's head is not
+#: one `output_head` takes, the [..., V] logits themselves.
+Logits = Projection | torch.Tensor
+
+
+def token_logprobs(
+    proj: Projection,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T)[target] for every position of `proj.hidden` ([...], fp32) and
+    optionally the entropy, `chunk` tokens at a time (default: `chunk_tokens(V)`)."""
+    lead = proj.hidden.shape[:-1]
+    hidden = proj.hidden.reshape(-1, proj.hidden.shape[-1])
+    step = chunk or chunk_tokens(proj.weight.shape[0])
+    logp, ent = _ChunkedScore.apply(
+        hidden, proj.weight, proj.bias, targets.reshape(-1), temperature, with_entropy, step
+    )
+    return logp.view(lead), (ent.view(lead) if with_entropy else None)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  temperature: float) -> torch.Tensor:  # fmt: skip
+    """One chunk's fp32 logits, divided by the temperature (in place) when it is > 0."""
+    z = F.linear(h, weight, bias).to(_acc(weight.dtype))
+    return z.div_(temperature) if temperature > 0 else z
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scores are computed in: fp32, or fp64 for an fp64 head (exactness checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedScore(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias, targets [N]) -> (logprobs [N], entropy [N]);
+    saves the inputs and per-token logsumexp and entropy, never the logits."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden, weight, bias, targets, temperature, with_entropy, chunk):  # noqa: ANN001
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=_acc(weight.dtype), device=hidden.device)
+        lse = torch.empty_like(logp)
+        ent = torch.zeros_like(logp)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s : s + chunk], weight, bias, temperature)
+            m = z.amax(-1, keepdim=True)
+            e = (z - m).exp_()  # the one [chunk, V] temporary beside z
+            total = e.sum(-1, keepdim=True)
+            lse[s : s + chunk] = (m + total.log()).squeeze(-1)
+            picked = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+            logp[s : s + chunk] = picked - lse[s : s + chunk]
+            if with_entropy:  # logsumexp(z) - sum p z, with p = e / total
+                ent[s : s + chunk] = lse[s : s + chunk] - e.mul_(z).sum(-1) / total.squeeze(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_logp, g_ent):  # noqa: ANN001
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        acc = _acc(weight.dtype)
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.to(acc)
+        use_ent = ctx.with_entropy and g_ent is not None
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # fp32 sums over the chunks (one matmul over all tokens in autograd's path)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            z = _chunk_logits(h, weight, bias, t)
+            p = (z - lse[s : s + chunk, None]).exp_()
+            gl = g_logp[s : s + chunk, None]
+            # dz = gl * (onehot - p) - ge * p * (z - E[z]), E[z] = lse - entropy
+            if use_ent:
+                ge = g_ent[s : s + chunk, None].to(acc)
+                mean_z = (lse - ent)[s : s + chunk, None]
+                dz = z.sub_(mean_z).mul_(ge).add_(gl).mul_(p).neg_()
+            else:
+                dz = p.mul_(gl).neg_()
+            dz.scatter_add_(-1, targets[s : s + chunk, None], gl)
+            if t > 0:
+                dz.div_(t)
+            del z, p
+            dz = dz.to(weight.dtype)  # as autograd's backward of `.float()` casts it
+            if want_h:
+                grad_h[s : s + chunk] = dz @ weight
+            if want_w:
+                grad_w.addmm_(dz.t().to(acc), h.to(acc))  # no copy in fp32
+            if want_b:
+                grad_b += dz.to(acc).sum(0)
+        grad_w = grad_w.to(weight.dtype) if want_w else None
+        grad_b = grad_b.to(bias.dtype) if want_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+# -- the model side: what head a model has, and its forward without every position's logits --
+def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head that projects `model`'s final hidden states where it is a plain linear
+    layer (so `chunked` can apply its weight): a peft model's is its base model's; the
+    adapter-off reference of a LoRA policy reads the base layer of an adapted head (the
+    adapter is off). None: the model's own forward computes the logits: an adapted head, or an
+    FSDP2-sharded model (its root reshards the head's weight after each forward, and its
+    gradient must reach the reduce-scatter FSDP2 runs: not done yet)."""
+    off = isinstance(model, AdapterOff)
+    inner = model._policy[0] if off else model  # AdapterOff keeps the policy out of its tree
+    if getattr(inner, "config", None) is None:
+        return None
+    if _sharded(inner) or getattr(inner.config, "model_type", None) not in PLAIN_HEAD_TYPES:
+        return None
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if off and hasattr(head, "get_base_layer"):
+        head = head.get_base_layer()
+    return head if type(head) is torch.nn.Linear else None
+
+
+def forward(model: torch.nn.Module, **inputs: Any) -> Any:
+    """`model(**inputs)`; where `output_head` is taken, with the final hidden states out and
+    the logits of one position only (unused: a forward computes some), never all of them."""
+    if output_head(model) is None:
+        return model(**inputs)
+    return model(**inputs, output_hidden_states=True, logits_to_keep=1)
+
+
+def picked(
+    model: torch.nn.Module, out: Any, pick: Callable[[torch.Tensor], torch.Tensor]
+) -> Logits:
+    """The logits at the positions `pick` takes from a `forward`'s output `out` ([B, S, ...] ->
+    [..., ...]): a `Projection` of its final hidden states, or its fp32 logits."""
+    head = output_head(model)
+    if head is None:
+        return pick(out.logits).float()
+    hidden = out.hidden_states[-1]
+    _check_head(out.logits[:, -1], hidden[:, -1], head)
+    return Projection(pick(hidden), head.weight, head.bias)
+
+
+@torch.no_grad()
+def _check_head(logits: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Linear) -> None:
+    """The one position's logits the forward computed are the head on its hidden state: else
+    the chunked scores would not be the model's (a head that does more than project)."""
+    mine = torch.nn.functional.linear(hidden, head.weight, head.bias)
+    if not torch.allclose(mine.float(), logits.float(), rtol=1e-2, atol=1e-3):
+        raise RuntimeError(
+            "the model's logits are not its LM head applied to its last hidden states: the "
+            "chunked logprobs cannot score it (its model type must leave PLAIN_HEAD_TYPES)"
+        )
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` (or a module inside it) is FSDP2-sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
