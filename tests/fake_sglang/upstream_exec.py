@@ -1,4 +1,4 @@
-"""Run one SGLang release's own code on what asyncrl sends (a subprocess per release).
+"""Run SGLang releases' own code on what asyncrl sends (a forked child per release).
 
 `python -m tests.fake_sglang.upstream_exec` reads a JSON request on stdin (per release: the
 wheel's `sglang/` unpacked by tests/fake_sglang/wheels.py, and what to run) and writes the JSON
@@ -9,8 +9,8 @@ What is stubbed, and why (nothing of the request structs, the sampling parameter
 key or the server-argument parser):
 - `sglang/__init__.py` is not run (the frontend language and its imports): `sglang` is
   registered as a bare package over ROOT/sglang, so `sglang.srt...` modules load from the wheel.
-- `STUBBED_SGLANG`: SGLang modules io_struct imports names from for its annotations and
-  multimodal paths only, that do not import on a CPU (the scheduler's batch: CUDA kernels).
+- `STUBBED_SGLANG`: SGLang modules that do not import on a CPU box and whose code never runs
+  on what asyncrl sends (io_struct and server_args take type names and constants from them).
 - a third-party module that is not installed here (sgl_kernel, triton, flashinfer, pybase64
   ...) and that SGLang's own code imports becomes a stand-in whose attributes are inert
   classes; imports by anything else (library probes for optional packages) fail as usual.
@@ -165,10 +165,8 @@ def run_generate(io_struct: Any, radix: Any, body: dict) -> dict:
             params.normalize(None)
             takes_vocab = "vocab_size" in inspect.signature(params.verify).parameters
             params.verify(64) if takes_vocab else params.verify()
-            if radix is not None:
+            if radix is not None:  # else `radix_error` says why (and the test fails)
                 _child_key(radix, list(sub.input_ids), sub.extra_key)
-            else:
-                hash((sub.extra_key, sub.input_ids[0]))
             if not (sub.extra_key is None or isinstance(sub.extra_key, str)):  # Req's type
                 raise TypeError(f"extra_key {sub.extra_key!r} is not a str or None")
         except Exception as exc:  # noqa: BLE001
@@ -223,7 +221,7 @@ def run_release(root: str, request: dict) -> dict:
         from sglang.srt.mem_cache import radix_cache
 
         radix_error = None
-    except Exception as exc:  # noqa: BLE001 - reported; the key is then hashed as SGLang does
+    except Exception as exc:  # noqa: BLE001 - reported
         radix_cache, radix_error = None, error(exc)
     return {
         "generate": [run_generate(io_struct, radix_cache, b) for b in request["generate"]],
