@@ -37,7 +37,8 @@ requests none. SGLang ignores `priority` unless started with `--enable-priority-
 unless `--default-priority-value` says otherwise; so when the evaluation priority differs from
 rollout's (0), launched servers get `--enable-priority-scheduling --default-priority-value 0`
 (`with_priority`). That needs `schedule_policy` fcfs or lof (SGLang asserts it) and a release
-with `--default-priority-value` (read in 0.5.23; 0.5.6 lacks it): otherwise one line refuses it.
+with `--default-priority-value` (from 0.5.10; SGLang's own parser of each release is run on
+these lines by tests/test_sglang_contract.py): otherwise one line refuses it.
 
 LoRA (`weight_sync.lora_sync: native`): launched servers get `--enable-lora --max-lora-rank R
 --lora-target-modules M...` (`with_lora`: R the adapter's rank, M `all` for peft's all-linear
@@ -81,8 +82,8 @@ SINGLE_ONLY = {
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Rollout requests carry no priority; the servers' default for them when priority is on.
 ROLLOUT_PRIORITY = 0
-#: The lowest release read that has `--default-priority-value` (0.5.6 does not).
-PRIORITY_DEFAULT_VERSION = (0, 5, 23)
+#: The first release with `--default-priority-value` (0.5.9's server_args lacks it).
+PRIORITY_DEFAULT_VERSION = (0, 5, 10)
 
 
 @dataclass(frozen=True)

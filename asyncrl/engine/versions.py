@@ -1,20 +1,23 @@
 """Which SGLang releases asyncrl drives, and how each one wants its weight sync done.
 
-Read from SGLang's own source (wheels 0.5.6, 0.5.21, 0.5.23; see tests/test_sglang_contract.py):
+Read from SGLang's own source (every wheel 0.5.6 ... 0.5.23) and run: tests/test_sglang_contract.py
+executes the request structs, sampling parameters and server-argument parser of each
+`CONTRACT_VERSIONS` release on what asyncrl sends and launches with.
 
 - `update_weights_from_distributed` outside `/begin_weight_update` ... `/end_weight_update`
-  answers `success: false` from 0.5.21 on (scheduler `weight_updater._session is None`), and
-  the learner's broadcast would then wait for its timeout: `session`.
-- 0.5.6's tokenizer manager returns early while paused, before it records
-  `weight_version`, so the version must be set by `/update_weight_version` afterwards
-  (fixed by 0.5.21): `explicit_version`.
+  answers `success: false` from 0.5.21 on (scheduler `weight_updater._session is None`; no
+  such session before), and the learner's broadcast would then wait for its timeout: `session`.
+- 0.5.6's tokenizer manager returns early while paused, before it records `weight_version`, so
+  the version must be set by `/update_weight_version` afterwards (from 0.5.7 on it records it
+  paused or not): `explicit_version`.
 - A cache flush succeeds only when the scheduler is idle. In `in_place` mode the paused
   requests keep their KV, so a flush never succeeds while they wait (0.5.6-0.5.22 then die on
   `assert flush_cache_success`, 0.5.23 fails the update): asyncrl never flushes in `in_place`
   and relies on the per-version cache namespace (`extra_key`) instead. With `abort` the engine
-  empties; with `retract` the requests move to the waiting queue, which 0.5.15's idle check
-  counts (the flush never succeeds while paused) and 0.5.6's and >= 0.5.21's do not
-  (`is_fully_idle(ignore_waiting=paused)`): `flush_modes`.
+  empties; with `retract` the requests move to the waiting queue, which the idle check of
+  0.5.10-0.5.20 counts (`is_fully_idle`: the flush never succeeds while paused), and that of
+  0.5.6-0.5.9 (`_is_no_request`) and >= 0.5.21 (`is_fully_idle(ignore_waiting=paused)`) does
+  not: `flush_modes`.
 - 0.5.23 reports per-token version spans (`meta_info["weight_versions"]`).
 - Every request carries a `sampling_seed`, which SGLang honours only when the server runs
   with `--enable-deterministic-inference` (0.5.6 and 0.5.23 alike: `SamplingBatchInfo` builds
@@ -34,9 +37,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: The supported range, as in pyproject.toml's `sglang` extra: lowest and highest read.
-MIN_VERSION = (0, 5, 6)
-MAX_VERSION = (0, 5, 23)
+#: The SGLang releases whose own code the contract tests run on asyncrl's requests and launch
+#: lines, one on each side of every change asyncrl depends on: `--default-priority-value`
+#: (from 0.5.10), a batch's `extra_key` split per request (`_normalize_extra_key`, from 0.5.14;
+#: before, every request of a batch gets the whole list and the radix cache cannot hash it),
+#: the weight-update session (from 0.5.21). The supported range is exactly theirs.
+CONTRACT_VERSIONS = ("0.5.6", "0.5.10", "0.5.13", "0.5.14", "0.5.21", "0.5.23")
+#: The supported range, as in pyproject.toml's `sglang` extra: the lowest and highest run.
+MIN_VERSION = tuple(int(x) for x in CONTRACT_VERSIONS[0].split("."))
+MAX_VERSION = tuple(int(x) for x in CONTRACT_VERSIONS[-1].split("."))
 #: What asyncrl's hf server reports as its `version` in /server_info.
 HF_SERVER_VERSION = "asyncrl-hf"
 #: The /generate field of asyncrl's hf server (SGLang has none) that pins a request to a weight
@@ -110,11 +119,11 @@ def profile_for(version: str, info: Mapping[str, Any] | None = None) -> EnginePr
             f"SGLang {version} is outside the supported range {lo}..{hi} "
             "(pip install 'asyncrl[sglang]' picks one inside it)"
         )
-    # 0.5.7-0.5.20 not read one by one: the conservative choice for each unknown
-    retract_flush = v <= (0, 5, 6) or v >= (0, 5, 21)
+    # read in every wheel 0.5.6-0.5.23 (the module docstring)
+    retract_flush = v < (0, 5, 10) or v >= (0, 5, 21)
     return EngineProfile(
         version,
         session=v >= (0, 5, 21),
-        explicit_version=v < (0, 5, 21),
+        explicit_version=v < (0, 5, 7),
         flush_modes=("abort", "retract") if retract_flush else ("abort",),
     )

@@ -7,14 +7,14 @@ real SGLang would fail on:
 - `session` (>= 0.5.21): `update_weights_from_distributed` outside `/begin_weight_update` ...
   `/end_weight_update` answers `success: false` and never joins the broadcast
   (`scheduler_components/weight_updater.py`).
-- `drops_paused_version` (0.5.6): the tokenizer manager returns early while paused, before it
+- `drops_paused_version` (0.5.6; 0.5.7 records it paused or not): the tokenizer manager returns early while paused, before it
   records `weight_version` (`tokenizer_communicator_mixin.update_weights_from_distributed`).
 - `dies_on_refused_flush` (< 0.5.23): `flush_cache=True` on an update while the scheduler is
   not idle hits `assert flush_cache_success` and the server dies; 0.5.23 answers
   `success: false` instead.
-- `counts_waiting` (0.5.7 .. 0.5.20): the idle check behind a flush counts the waiting queue,
-  where `retract` puts the paused requests (0.5.6 does not look at it; >= 0.5.21 ignores it
-  while paused).
+- `counts_waiting` (0.5.10 .. 0.5.20): the idle check behind a flush (`is_fully_idle`) counts
+  the waiting queue, where `retract` puts the paused requests (0.5.6-0.5.9's `_is_no_request`
+  does not look at it; >= 0.5.21 ignores it while paused).
 - `version_spans` (>= 0.5.23): `meta_info["weight_versions"]`, per-token version spans.
 """
 
@@ -47,9 +47,9 @@ class Upstream:
         return cls(
             version=version,
             session=v >= (0, 5, 21),
-            drops_paused_version=v < (0, 5, 21),
+            drops_paused_version=v < (0, 5, 7),
             dies_on_refused_flush=v < (0, 5, 23),
-            counts_waiting=(0, 5, 7) <= v < (0, 5, 21),
+            counts_waiting=(0, 5, 10) <= v < (0, 5, 21),
             version_spans=v >= (0, 5, 23),
             # per generated token: lets a test catch requests in flight (the fake's own pace)
             token_delay_s=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY_S", "0")),
