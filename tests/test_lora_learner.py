@@ -213,3 +213,9 @@ def test_validation_refuses_lora_it_cannot_honour(overrides, message):
 def test_unknown_target_module_is_one_line(tiny_model):
     with pytest.raises(lora.LoraSetupError, match="target_modules"):
         _learner(tiny_model, "actor_train.model_args.target_modules=[no_such_proj]")
+
+
+def test_an_adapter_on_a_tied_head_is_refused(tiny_model):
+    """The tiny model ties its head to the embedding: neither engine could serve it alone."""
+    with pytest.raises(lora.LoraSetupError, match="lm_head is tied to the input embedding"):
+        _learner(tiny_model, "actor_train.model_args.target_modules=[q_proj,lm_head]")

@@ -200,3 +200,39 @@ def test_untied_head_is_sent_and_differs_from_the_embedding(loaded):
     named = dict(sent["torch-untied-bf16"])
     assert not torch.equal(named["lm_head.weight"], named["model.embed_tokens.weight"])
     assert copy.copy(named["lm_head.weight"]).dtype == torch.bfloat16
+
+
+def test_the_hf_engine_serves_the_synced_embedding_as_its_tied_head(tiny_model):
+    """The hf engine without the head sent: its head is the embedding's parameter, so the
+    policy it serves after the sync is the learner's, head included."""
+    from asyncrl.engine.client import EngineClient
+    from asyncrl.engine.hf.launch import launch_hf_server
+    from tests.test_lora_sync import _engine_logprobs, _learner_logprobs
+
+    tied = learner(tiny_model)
+    embedding = tied.model.model.embed_tokens.weight
+    assert tied.model.lm_head.weight is embedding
+    with torch.no_grad():
+        embedding.add_(torch.randn_like(embedding), alpha=0.5)  # head and input move together
+    handle = launch_hf_server(tiny_model, dtype="fp32", max_batch_size=4,
+                              extra_args=["--num-threads", "1", "--group-timeout-s", "10"])  # fmt: skip
+
+    async def go() -> None:
+        async with EngineClient(handle.url, timeout=30) as client:
+            sender = WeightSender(group_name="tied_head", timeout_s=10)
+            await sender.init_group([client], backend="gloo")
+            assert "lm_head.weight" not in {n for n, _ in tied.weights_for_sync()}
+            ids, logp, _ = await _engine_logprobs(client)  # before: the learner's model differs
+            want = _learner_logprobs(tied.model, ids)
+            assert max(abs(a - b) for a, b in zip(logp, want)) > 1e-2
+            stats = await sender.sync(tied.weights_for_sync(), 1, bucket_bytes=6000)
+            assert stats.buckets > 1
+            ids, logp, version = await _engine_logprobs(client)
+            assert version == "1"
+            assert logp == pytest.approx(_learner_logprobs(tied.model, ids), abs=1e-5)
+            await sender.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        handle.stop()

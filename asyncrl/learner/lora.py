@@ -53,7 +53,13 @@ def wrap(model: torch.nn.Module, args: ModelArgs) -> Any:
     except ValueError as e:  # peft's "Target modules ... not found in the base model"
         first = str(e).splitlines()[0]
         raise LoraSetupError(f"actor_train.model_args.target_modules: {first}") from None
+    tied = tied_copies(model)  # an adapter on a tied head would move the embedding with it
     for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and f"{hf_name(name)}.weight" in tied:
+            raise LoraSetupError(
+                f"actor_train.model_args.target_modules: {hf_name(name)} is tied to the "
+                "input embedding (tie_word_embeddings); an adapter cannot change it alone"
+            )
         if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
             raise LoraSetupError(
                 f"actor_train.model_args.target_modules: {hf_name(name)} is a "
