@@ -147,9 +147,9 @@ def loaded(tiny_model, untied_model, tmp_path_factory) -> tuple[dict, dict]:
             assert len(dtypes) == 1, dtypes
             for i, (_, t) in enumerate(w["sent"]):
                 tensors[f"{key}/sent/{i}"] = t.contiguous()
-            for j, payload in enumerate(w["payloads"]):
-                if w["buckets"][j]["load_format"] == "flattened_bucket":
-                    tensors[f"{key}/bucket/{j}"] = payload[0]
+            for j, payload in enumerate(w["payloads"]):  # one flat buffer, or per tensor
+                for i, t in enumerate(payload):
+                    tensors[f"{key}/bucket/{j}/{i}"] = t.contiguous()
             manifest.append({"key": key, "config": qwen2_config(config),
                              "dtype": str(dtypes.pop()).removeprefix("torch."),
                              "sent": [n for n, _ in w["sent"]], "buckets": w["buckets"]})  # fmt: skip

@@ -210,24 +210,24 @@ def build_model(config: dict, dtype):
     return model
 
 
-def receive(bucket: dict, sent: dict, payload):
+def receive(bucket: dict, payload: list):
     """One bucket as SGLang 0.5.23's `receive_weights_from_distributed` receives it, the
-    broadcast being a copy of the bytes asyncrl broadcasts (which must fit exactly)."""
+    broadcast being a copy of what asyncrl broadcasts (`payload`: one flat uint8 buffer, or
+    one tensor per name), which must fit exactly."""
     import torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     names, dtypes, shapes = bucket["names"], bucket["dtypes"], bucket["shapes"]
     if bucket["load_format"] == "flattened_bucket":
         received = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
-        flat = received.get_flattened_tensor()
-        if flat.shape != payload.shape or flat.dtype != payload.dtype:
-            raise ValueError(f"bucket of {flat.numel()} bytes, asyncrl sent {payload.numel()}")
-        flat.copy_(payload)
+        flat, (wire,) = received.get_flattened_tensor(), payload
+        if flat.shape != wire.shape or flat.dtype != wire.dtype:
+            raise ValueError(f"bucket of {flat.numel()} bytes, asyncrl sent {wire.numel()}")
+        flat.copy_(wire)
         return received.reconstruct_tensors()
     out = []
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+    for name, dtype, shape, tensor in zip(names, dtypes, shapes, payload, strict=True):
         buf = torch.empty(shape, dtype=getattr(torch, dtype))
-        tensor = sent[name]
         if buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             raise ValueError(f"{name}: announced {dtype}{shape}, sent {tensor.dtype}{tensor.shape}")
         buf.copy_(tensor)
@@ -310,8 +310,9 @@ def load_case(source: dict, tensors: dict, engine: dict) -> dict:
     try:
         with torch.no_grad():
             for j, bucket in enumerate(source["buckets"]):
-                payload = tensors.get(f"{key}/bucket/{j}")
-                model.load_weights(receive(bucket, sent, payload))
+                count = 1 if bucket["load_format"] == "flattened_bucket" else len(bucket["names"])
+                payload = [tensors[f"{key}/bucket/{j}/{i}"] for i in range(count)]
+                model.load_weights(receive(bucket, payload))
     except Exception as e:  # noqa: BLE001 - reported: SGLang refused what asyncrl sent
         return {"error": f"{type(e).__name__}: {e}", "warnings": warnings}
     finally:
