@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -88,12 +89,62 @@ def run_loader(src: Path, request: Path, timeout_s: float = 600) -> dict:
 
 
 # ---- script side: stubs ----------------------------------------------------------------------
+class Inert:
+    """Any attribute, call or decorator of a stubbed module: does nothing, is falsy."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # @decorator
+        return Inert(self._name + "()")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Inert(f"{self._name}.{name}")
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def any_schema(cls, source, handler):
+    """Pydantic models of the wheel that name a stubbed class as a field type take anything."""
+    from pydantic_core import core_schema
+
+    return core_schema.any_schema()
+
+
+class InertClass(type):
+    """A stubbed module's class: subclassable, any class attribute an `Inert`."""
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Inert(f"{cls.__name__}.{name}")
+
+
+class StubModule(types.ModuleType):
+    """A stubbed module: classes for capitalised names, `Inert` for the rest."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].isupper():  # a class: subclassable, any class attribute
+            return InertClass(name, (), {
+                "__module__": self.__name__,
+                "__init_subclass__": classmethod(lambda cls, **kw: None),  # total=False
+                "__get_pydantic_core_schema__": classmethod(any_schema),  # a field type
+            })  # fmt: skip
+        return Inert(f"{self.__name__}.{name}")
+
+
 def install_stubs(src: Path) -> None:
     """Make `import sglang.srt...` work from `src` on this CPU-only host (see module doc)."""
     import base64
     import importlib.machinery
     import pickle
-    import types
 
     # Loaded before the stubs exist, so their availability checks see the truth.
     import torch._inductor.compile_fx  # noqa: F401 - SGLang calls torch.compile at import
@@ -101,48 +152,6 @@ def install_stubs(src: Path) -> None:
     from transformers import AutoImageProcessor, AutoProcessor  # noqa: F401
 
     del transformers
-
-    class Inert:
-        """Any attribute, call or decorator of a stubbed module: does nothing, is falsy."""
-
-        def __init__(self, name: str) -> None:
-            self._name = name
-
-        def __call__(self, *args, **kwargs):
-            if len(args) == 1 and callable(args[0]) and not kwargs:
-                return args[0]  # @decorator
-            return Inert(self._name + "()")
-
-        def __getattr__(self, name: str):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return Inert(f"{self._name}.{name}")
-
-        def __bool__(self) -> bool:
-            return False
-
-    def any_schema(cls, source, handler):
-        from pydantic_core import core_schema
-
-        return core_schema.any_schema()
-
-    class InertClass(type):
-        def __getattr__(cls, name: str):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return Inert(f"{cls.__name__}.{name}")
-
-    class StubModule(types.ModuleType):
-        def __getattr__(self, name: str):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            if name[:1].isupper():  # a class: subclassable, any class attribute
-                return InertClass(name, (), {
-                    "__module__": self.__name__,
-                    "__init_subclass__": classmethod(lambda cls, **kw: None),  # total=False
-                    "__get_pydantic_core_schema__": classmethod(any_schema),  # a field type
-                })  # fmt: skip
-            return Inert(f"{self.__name__}.{name}")
 
     class Finder:
         def find_spec(self, fullname, path=None, target=None):
