@@ -61,7 +61,7 @@ def wire(named, load_format: str | None, monkeypatch) -> dict:
     payloads: list[list[torch.Tensor]] = []
     monkeypatch.setattr(weight_sync, "broadcast",
                         lambda tensors, group, src=0: payloads.append([t.clone() for t in tensors]))  # fmt: skip
-    sender, engine = WeightSender(device=torch.device("cpu")), Recorder()
+    sender, engine = WeightSender(), Recorder()
     sender._group, sender.engines = object(), [engine]  # the process group: the faked edge
     # small buckets: q/k/v and gate/up halves of one SGLang parameter arrive in different ones
     asyncio.run(sender.sync(iter(sent), 1, bucket_bytes=6000, load_format=load_format,
