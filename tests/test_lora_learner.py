@@ -125,8 +125,10 @@ def test_weights_for_sync_are_merged_hf_tensors(tiny_model):
     _train_a_step(learner)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     merged = dict(learner.weights_for_sync())
-    assert set(merged) == set(base.state_dict())
-    base.load_state_dict(merged)
+    # all but the tied head, which is the embedding's parameter (loaded with it)
+    assert lora.tied_copies(base) == {"lm_head.weight"}
+    assert set(merged) == set(base.state_dict()) - {"lm_head.weight"}
+    base.load_state_dict(merged, strict=False)
     data = _batch(learner, seed=3)
     learner.model.eval()
     torch.testing.assert_close(_logprobs(base.eval(), data), _logprobs(learner.model, data),
@@ -211,3 +213,9 @@ def test_validation_refuses_lora_it_cannot_honour(overrides, message):
 def test_unknown_target_module_is_one_line(tiny_model):
     with pytest.raises(lora.LoraSetupError, match="target_modules"):
         _learner(tiny_model, "actor_train.model_args.target_modules=[no_such_proj]")
+
+
+def test_an_adapter_on_a_tied_head_is_refused(tiny_model):
+    """The tiny model ties its head to the embedding: neither engine could serve it alone."""
+    with pytest.raises(lora.LoraSetupError, match="lm_head is tied to the input embedding"):
+        _learner(tiny_model, "actor_train.model_args.target_modules=[q_proj,lm_head]")

@@ -53,7 +53,13 @@ def wrap(model: torch.nn.Module, args: ModelArgs) -> Any:
     except ValueError as e:  # peft's "Target modules ... not found in the base model"
         first = str(e).splitlines()[0]
         raise LoraSetupError(f"actor_train.model_args.target_modules: {first}") from None
+    tied = tied_copies(model)  # an adapter on a tied head would move the embedding with it
     for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and f"{hf_name(name)}.weight" in tied:
+            raise LoraSetupError(
+                f"actor_train.model_args.target_modules: {hf_name(name)} is tied to the "
+                "input embedding (tie_word_embeddings); an adapter cannot change it alone"
+            )
         if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
             raise LoraSetupError(
                 f"actor_train.model_args.target_modules: {hf_name(name)} is a "
@@ -101,10 +107,13 @@ def merged_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The full model under HF names, each adapted weight merged: W0 + scaling·B·A, computed in
     fp32 and stored in the base's dtype, or `dtype` (peft's `get_delta_weight` for a plain
-    linear layer, the only kind `wrap` admits). Sharded, every rank must iterate it to the end."""
+    linear layer, the only kind `wrap` admits), less the tied copies (`tied_copies`). Sharded,
+    every rank must iterate it to the end."""
     layers = dict(lora_layers(peft_model))
-    for name, tensor in peft_model.get_base_model().state_dict().items():
-        if ".lora_" in name:
+    base = peft_model.get_base_model()
+    skip = tied_copies(base)
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name or hf_name(name) in skip:
             continue
         name = hf_name(name)
         tensor = local_value(tensor.detach())
@@ -114,6 +123,19 @@ def merged_tensors(
             a, b = _factors(layer)
             tensor = (tensor.float() + b.float() @ a.float()).to(tensor.dtype)
         yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def tied_copies(model: torch.nn.Module) -> set[str]:
+    """The HF names that only repeat another parameter: HF's `_tied_weights_keys` (e.g.
+    `lm_head.weight`) when the config ties the embeddings. Neither synced nor exported: SGLang
+    serves the embedding as the head and skips the copy (with a warning), the hf engine's head
+    is the embedding's parameter, and `save_pretrained` leaves it out too. The same on every
+    rank (a config), so sharded ranks skip the same all-gathers."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if not getattr(text or config, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or ())
 
 
 class AdapterOff(torch.nn.Module):

@@ -113,10 +113,16 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
 def full_tensors(
     model: torch.nn.Module, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) per state-dict entry, gathered one at a time from the shards (an
-    all-gather per DTensor: every rank must iterate this to the end, in this order). `dtype`:
-    cast floating tensors to it (the compute dtype the engines expect)."""
+    """(HF name, full tensor) per state-dict entry but the tied copies (`lora.tied_copies`: a
+    tied `lm_head.weight`), gathered one at a time from the shards (an all-gather per DTensor:
+    every rank must iterate this to the end, in this order). `dtype`: cast floating tensors to
+    it (the compute dtype the engines expect)."""
+    from asyncrl.learner import lora
+
+    skip = lora.tied_copies(model)
     for name, value in model.state_dict().items():
+        if name in skip:
+            continue
         tensor = local_value(value.detach())
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -369,12 +375,11 @@ def pretrained_snapshot(
     touches nothing live and may run on another thread (`actor.checkpoint.async_save`)."""
     import copy
 
+    from asyncrl.learner import lora
+
     state = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-    tied = getattr(model, "_tied_weights_keys", None) or ()
-    if getattr(text or model.config, "tie_word_embeddings", False):
-        for key in tied:  # as HF's save_pretrained: a tied copy is not written twice
-            state.pop(key, None)
+    for key in lora.tied_copies(model):  # as HF's save_pretrained: a tied copy is not written
+        state.pop(key, None)
     config = copy.deepcopy(model.config)
     config.architectures = [_own_class_name(model)]
     generation = copy.deepcopy(getattr(model, "generation_config", None))
