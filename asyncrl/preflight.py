@@ -52,7 +52,12 @@ def missing_pieces(cfg: Any, device_kind: str) -> list[str]:
             continue
         need = ["megatron.core"] + (["torch_npu", "mindspeed"] if device_kind == "npu" else [])
         absent = [m for m in need if not _installed(m)]
-        if absent:
+        if device_kind == "cpu":  # its DDP and optimizers call CUDA/NPU APIs
+            missing.append(
+                f"{role}.strategy_args.strategy_name: megatron_train needs a GPU or NPU, and "
+                "this machine has none (megatron-core trains on CUDA/NPU only; use fsdp2_train)"
+            )
+        elif absent:
             missing.append(
                 f"{role}.strategy_args.strategy_name: megatron_train needs "
                 f"{', '.join(absent)} (pip install 'asyncrl[megatron]'"

@@ -147,3 +147,22 @@ def test_fsdp2_over_several_accelerators_runs_on_the_driver_node_only():
     (line,) = missing_pieces(cfg, "cuda")
     assert line.startswith("actor_train.device_mapping: fsdp2_train over 2 cuda devices")
     assert missing_pieces(cfg, "cpu") == []  # multi-node CPU ranks: placement groups
+
+
+def test_megatron_train_needs_an_accelerator_whether_or_not_megatron_is_installed(monkeypatch):
+    """On the CPU a run's Megatron learner is refused before anything starts (its DDP and
+    optimizers call CUDA APIs: only the tests' emulation runs it there); on a GPU it needs just
+    megatron-core."""
+    from asyncrl import preflight
+    from asyncrl.config import load_config
+
+    cfg = load_config(None, ["actor_train.strategy_args.strategy_name=megatron_train"])
+    for installed in (True, False):
+        monkeypatch.setattr(preflight, "_installed", lambda module, ok=installed: ok)
+        (line,) = [m for m in preflight.missing_pieces(cfg, "cpu") if "megatron" in m]
+        assert "megatron_train needs a GPU or NPU" in line and "fsdp2_train" in line
+    monkeypatch.setattr(preflight, "_installed", lambda module: True)
+    assert not [m for m in preflight.missing_pieces(cfg, "cuda") if "megatron" in m]
+    monkeypatch.setattr(preflight, "_installed", lambda module: module != "megatron.core")
+    (line,) = [m for m in preflight.missing_pieces(cfg, "cuda") if "megatron" in m]
+    assert "pip install 'asyncrl[megatron]'" in line

@@ -26,7 +26,8 @@ from asyncrl.learner.megatron import name_mapping as hm
 from asyncrl.learner.torch.learner import TorchLearner
 from asyncrl.weights import sync as weight_sync
 from asyncrl.weights.sync import WeightSender
-from tests.fake_sglang.sglang_model import run_loader, sglang_wheel, unpacked
+from tests.fake_sglang.sglang_model import run_loader
+from tests.fake_sglang.wheels import unpacked
 
 VERSION = "0.5.23"
 ENGINES = [{"tp": tp, "rank": rank, "loader": loader}
@@ -136,7 +137,7 @@ def loaded(tiny_model, untied_model, tmp_path_factory) -> tuple[dict, dict]:
     """(what each source sent, SGLang's load of it per engine rank)."""
     from safetensors.torch import save_file
 
-    src = unpacked(sglang_wheel(VERSION))
+    src = unpacked(VERSION)
     request = tmp_path_factory.mktemp("sglang-load")
     tensors, manifest, sent = {}, [], {}
     with pytest.MonkeyPatch.context() as mp:

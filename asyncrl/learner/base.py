@@ -67,5 +67,7 @@ def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
     if name == "megatron_train":
         from asyncrl.learner.megatron.learner import MegatronLearner  # type: ignore[import-not-found]
 
+        if kwargs.pop("critic", None) is not None:  # the config rules refuse it first
+            raise ValueError("a critic with megatron_train is not available (use fsdp2_train)")
         return MegatronLearner(**kwargs)
     raise ValueError(f"unknown learner strategy {name!r}; valid: fsdp2_train, megatron_train")

@@ -1,8 +1,7 @@
 """SGLang's own Qwen2 model and weight loaders, run on the CPU on what asyncrl sends.
 
-The test side (`sglang_wheel`, `unpacked`, `run_loader`) fetches the wheel of one SGLang release
-(`pip download --no-deps` into `ASYNCRL_WHEEL_CACHE`; a failure fails the test unless
-`ASYNCRL_SKIP_UPSTREAM=1`), unpacks its Python sources once, and runs this file as a script in
+The test side (`run_loader`, on a release unpacked by `tests/fake_sglang/wheels.py`, which
+fetches the wheel: a failure fails the test unless `ASYNCRL_SKIP_UPSTREAM=1`) runs this file as a script in
 a subprocess (SGLang's process-wide runtime context and the stubs below stay out of the test
 process). The script side builds `sglang.srt.models.qwen2.Qwen2ForCausalLM` with SGLang's real
 layers (QKV/MergedColumn/RowParallelLinear, VocabParallelEmbedding, their `weight_loader`s) for
@@ -31,54 +30,14 @@ import os
 import subprocess
 import sys
 import types
-import zipfile
 from pathlib import Path
 
-CACHE = Path(os.environ.get("ASYNCRL_WHEEL_CACHE", Path.home() / ".cache/asyncrl/wheels"))
 #: Importable only on an accelerator host or with packages this environment lacks.
 STUBBED = ("triton", "tvm_ffi", "sgl_kernel", "torchvision", "sentencepiece", "gguf",
            "compressed_tensors", "pybase64", "dill", "openai", "einops", "partial_json_parser")  # fmt: skip
 
 
 # ---- test side -------------------------------------------------------------------------------
-def sglang_wheel(version: str) -> Path:
-    """SGLang's wheel of `version`, from the cache or PyPI. Not to be had: the test fails,
-    or skips when `ASYNCRL_SKIP_UPSTREAM=1` (a box without the network, said out loud)."""
-    import pytest
-
-    found = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
-    if found:
-        return found[-1]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={version}"]
-    try:
-        done = subprocess.run([*cmd, "-d", str(CACHE)], capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-        why = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
-    except subprocess.TimeoutExpired:
-        why = "pip download took over 600 s"
-    found = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
-    if found:
-        return found[-1]
-    message = f"cannot download the sglang {version} wheel: {why}"
-    if os.environ.get("ASYNCRL_SKIP_UPSTREAM") == "1":
-        pytest.skip(message)
-    pytest.fail(message + " (set ASYNCRL_SKIP_UPSTREAM=1 to skip upstream checks)")
-
-
-def unpacked(wheel: Path) -> Path:
-    """The wheel's `sglang` package but its native extensions, extracted once next to it (a
-    marker file, written last, says the directory is complete)."""
-    root = wheel.with_name(wheel.name.removesuffix(".whl") + "-py")
-    marker = root / ".complete"
-    if not marker.exists():
-        with zipfile.ZipFile(wheel) as whl:
-            sources = [n for n in whl.namelist() if n.startswith("sglang/") and ".so" not in n]
-            whl.extractall(root, members=sources)
-        marker.write_text("ok")
-    return root
-
-
 def run_loader(src: Path, request: Path, timeout_s: float = 600) -> dict:
     """Run this file on `request` (see `main`) against the sources in `src`; its result."""
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONWARNINGS": "ignore"}
