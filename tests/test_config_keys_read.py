@@ -183,3 +183,23 @@ def test_a_reader_cannot_ask_for_an_undeclared_key():
     assert (
         sk.strategy_option("actor_infer", cfg.actor_infer.strategy_args, "max_batch_size", 7) == 7
     )
+
+
+def test_verl_names_and_declared_keys_do_not_overlap():
+    fsdp = set(sk.declared("actor_train", "fsdp2_train"))
+    assert not fsdp & set(sk.VERL_FSDP_REFUSED) and not fsdp & set(sk.VERL_FSDP_NAMES)
+    assert set(sk.VERL_FSDP_NAMES.values()) <= fsdp
+
+
+@pytest.mark.parametrize(("config", "expected"), [({"max_batch_size": 4}, "4"), ({}, None)])
+def test_the_hf_launcher_reads_its_declared_key(monkeypatch, tmp_path, config, expected):
+    """`max_batch_size` reaches the hf server's command line (the process start is the edge
+    faked: its command is recorded, nothing runs)."""
+    from asyncrl.engine.hf import launch
+
+    commands = []
+    monkeypatch.setattr(launch, "popen", lambda cmd, env, log: commands.append(cmd))
+    cfg = load_config(None, [f"actor_infer.strategy_args.strategy_config={config}"])
+    launch.HFLauncher(cfg.actor_infer, tmp_path, tmp_path / "logs", seed=0).spawn(0)
+    (cmd,) = commands
+    assert cmd[cmd.index("--max-batch-size") + 1] == (expected or str(launch.HF_MAX_BATCH))
