@@ -179,6 +179,100 @@ def test_semantic_errors(override, fragment):
     assert fragment in _error(override)
 
 
+SC = "strategy_args.strategy_config"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [f"actor_infer.{SC}.max_batch_sise=4"],
+            f"actor_infer.{SC}.max_batch_sise is not read by hf_infer; did you mean "
+            "'max_batch_size'?",
+        ),
+        (
+            [f"actor_train.{SC}.offload_param=true"],
+            f"actor_train.{SC}.offload_param is not read by fsdp2_train; did you mean "
+            "'offload_params'?",
+        ),
+        (
+            [f"actor_train.{SC}.fsdp_size=2"],
+            f"actor_train.{SC}.fsdp_size: verl's fsdp_size is not supported by asyncrl's "
+            "fsdp2_train (it shards over every actor_train device, no hybrid-shard groups)",
+        ),
+        (
+            [f"actor_train.{SC}.tensor_model_parallel_size=1"],
+            f"actor_train.{SC}.tensor_model_parallel_size: a Megatron parallel size; "
+            "fsdp2_train has no such parallelism: use megatron_train",
+        ),
+        (
+            ["actor_train.strategy_args.strategy_name=megatron_train",
+             f"actor_train.{SC}.tensor_model_paralel_size=2"],
+            f"actor_train.{SC}.tensor_model_paralel_size is not read by megatron_train; did "
+            "you mean 'tensor_model_parallel_size'?",
+        ),
+        (
+            ["actor_train.strategy_args.strategy_name=megatron_train",
+             f"actor_train.{SC}={{recompute_granularity: full, recompute_method: block}}"],
+            f"actor_train.{SC}.recompute_method needs recompute_num_layers",
+        ),
+        (
+            ["actor_train.strategy_args.strategy_name=megatron_train",
+             f"actor_train.{SC}.transformer_impl=apex"],
+            f"actor_train.{SC}.transformer_impl: 'apex' is not one of local, "
+            "transformer_engine, auto",
+        ),
+        (
+            ["actor_train.strategy_args.strategy_name=megatron_train",
+             f"actor_train.{SC}.param_offload=true"],
+            f"actor_train.{SC}.param_offload: verl's param_offload is not supported by "
+            "asyncrl's megatron_train (asyncrl's megatron_train does not offload to the host)",
+        ),
+        (
+            ["actor.use_kl_loss=true", f"reference.{SC}.max_batch_size=4"],
+            f"reference.{SC}.max_batch_size is not read by fsdp2_train for reference (the "
+            "reference runs inside the learner, on actor_train's backend: its strategy_config "
+            "is not read)",
+        ),
+        (
+            [f"actor_infer.{SC}.server_urls=[http://h:1]"],
+            f"actor_infer.{SC}.server_urls is not read by hf_infer (it reads max_batch_size)",
+        ),
+        (
+            [f"actor_infer.{SC}.max_batch_size=0"],
+            f"actor_infer.{SC}.max_batch_size must be a positive int, got 0",
+        ),
+    ],
+)  # fmt: skip
+def test_strategy_config_keys_are_read_or_refused(overrides, message):
+    assert _error(*overrides) == message
+
+
+def test_strategy_config_read_keys_and_passthrough_load():
+    cfg = _load(f"actor_infer.{SC}.max_batch_size=4")
+    assert cfg.actor_infer.strategy_args.strategy_config == {"max_batch_size": 4}
+    mega = _load(
+        "actor_train.strategy_args.strategy_name=megatron_train",
+        f"actor_train.{SC}={{sequence_parallel: true, moe_router_topk: 2, use_bridge: false}}",
+    )
+    assert mega.actor_train.strategy_args.strategy_config["moe_router_topk"] == 2
+    # SGLang's keys are its server flags: its own parser judges them when the servers start.
+    sgl = _load("actor_infer.strategy_args.strategy_name=sglang", f"actor_infer.{SC}.any_flag=1")
+    assert sgl.actor_infer.strategy_args.strategy_config == {"any_flag": 1}
+
+
+def test_verl_fsdp_offload_names_are_read_as_asyncrl_keys():
+    devices = "actor_train.device_mapping=[0,1]"
+    for verl, own in (("param_offload", "offload_params"), ("offload_policy", "offload_params"),
+                      ("optimizer_offload", "offload_optimizer")):  # fmt: skip
+        cfg = _load(devices, f"actor_train.{SC}.{verl}=true")
+        assert cfg.actor_train.strategy_args.strategy_config == {own: True}
+    both = _error(devices, f"actor_train.{SC}.param_offload=true",
+                  f"actor_train.{SC}.offload_params=false")  # fmt: skip
+    assert both == (f"actor_train.{SC}.param_offload (verl's name of offload_params) is True "
+                    f"and actor_train.{SC}.offload_params is False: set one")  # fmt: skip
+
+
 def test_rejection_criterion_validated():
     assert "rollout_rs[0].name" in _error("algorithm.rollout_rs=[{name: token_k7, upper: 1}]")
     assert "needs lower or upper" in _error("algorithm.rollout_rs=[{name: token_k1}]")

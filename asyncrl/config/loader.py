@@ -19,6 +19,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from asyncrl.config.schema import FIELD_ALIASES, Config, ConfigError
+from asyncrl.config.strategy_keys import fold_verl_names
 from asyncrl.config.validate import MAX_DEVICES, validate
 from asyncrl.config.verl_actor import fold_actor, prepare_actor
 
@@ -82,6 +83,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _reject_removed_keys(raw, "")
     prepare_actor(raw)  # verl's interpolations, `???` and keys asyncrl has no use for
     cfg = fold_actor(build(Config, raw, "", Config()), raw)  # verl's keys meet their ROLL twins
+    fold_verl_names(cfg)  # verl's fsdp_config names in strategy_config, as asyncrl's
     validate(cfg)
     return cfg
 

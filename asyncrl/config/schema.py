@@ -157,8 +157,16 @@ class StrategyArgs:
     learner's own) | hf_infer (a transformers model: the fsdp2_train learner) |
     megatron_infer (Megatron chunks: the megatron_train learner); another is refused."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
-    """Passed through to the backend (Megatron parallel sizes, SGLang server args, ...). hf_infer
-    reads `max_batch_size`: the sequences one engine decodes together (default 256)."""
+    """The backend's own keys; `asyncrl/config/strategy_keys.py` declares what each reads, and
+    any other key is a config error naming it (with a did-you-mean). hf_infer (actor_infer):
+    `max_batch_size`, the sequences one engine decodes together (default 256). fsdp2_train
+    (actor_train): `offload_params` / `offload_optimizer`, FSDP2's CPU offload (verl's
+    `param_offload`, `optimizer_offload`, `offload_policy` are read as these; its other
+    fsdp_config keys are refused with the reason). megatron_train: Megatron's parallel sizes,
+    recompute, DDP, `moe_*` and asyncrl's own keys (asyncrl/learner/megatron/args.py). sglang:
+    SGLang's server args and asyncrl's launch keys (asyncrl/engine/sglang.py), passed through:
+    SGLang's parser judges them when the servers start. The reference and the critic read
+    none (they run inside the learner, on actor_train's backend)."""
 
 
 @dataclass

@@ -54,6 +54,7 @@ from asyncrl.config.schema import (
     TrainingArgs,
     WorkerConfig,
 )
+from asyncrl.config.strategy_keys import check_strategy_keys
 from asyncrl.config.verl_actor import check_actor as check_verl_actor
 
 
@@ -74,6 +75,7 @@ def validate(cfg: Config) -> None:
     check_verl_actor(cfg)
     check_reference(cfg)
     check_parallel_sizes(cfg)
+    check_strategy_keys(cfg)  # after the checks that name a read key's own rule
     _check_unread(cfg)
     check_unread_sizes(cfg)
     check_lora(cfg)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import WorkerConfig
+from asyncrl.config.strategy_keys import strategy_option
 from asyncrl.device import SPECS
 from asyncrl.engine.process import API_KEY_ENV, EngineLaunchError, ServerHandle, popen
 from asyncrl.net import advertised_host, free_port, url_host
@@ -137,8 +138,10 @@ class HFLauncher:
             host=self.host,
             dtype=self.infer.model_args.dtype or "fp32",
             max_batch_size=int(
-                self.infer.strategy_args.strategy_config.get("max_batch_size", HF_MAX_BATCH)
-            ),
+                strategy_option(
+                    "actor_infer", self.infer.strategy_args, "max_batch_size", HF_MAX_BATCH
+                )
+            ),  # fmt: skip
             seed=self.seed + index,
             extra_args=share.args(),
             log_dir=self.log_dir,

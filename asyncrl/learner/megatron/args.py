@@ -26,25 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-PARALLEL = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-)
-TRANSFORMER = ("sequence_parallel", "recompute_granularity", "recompute_method")
-TRANSFORMER += ("recompute_num_layers", "recompute_modules")
-DDP = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather")
-DDP += ("grad_reduce_in_fp32", "bucket_size")
-OWN = ("transformer_impl", "use_bridge", "override_transformer_config")
-CHOICES = {
-    "recompute_granularity": ("full", "selective", None),
-    "recompute_method": ("uniform", "block", None),
-    "transformer_impl": ("local", "transformer_engine", "auto"),
-    "use_bridge": ("auto", True, False),
-}
+from asyncrl.config.strategy_keys import MEGATRON_DDP as DDP
+from asyncrl.config.strategy_keys import MEGATRON_OWN as OWN
+from asyncrl.config.strategy_keys import MEGATRON_PARALLEL as PARALLEL
+from asyncrl.config.strategy_keys import MEGATRON_PREFIX, megatron_problem
+from asyncrl.config.strategy_keys import MEGATRON_TRANSFORMER as TRANSFORMER
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -69,29 +56,17 @@ class MegatronPlan:
 
 
 def check_options(sc: Mapping[str, Any]) -> None:
+    """Every key one asyncrl maps (asyncrl.config.strategy_keys declares them), every value
+    one a run can honour (the same rules `config validate` applies)."""
     known = set(PARALLEL + TRANSFORMER + DDP + OWN)
-    for key, value in sc.items():
-        if key not in known and not key.startswith("moe_"):
+    for key in sc:
+        if key not in known and not key.startswith(MEGATRON_PREFIX):
             raise MegatronConfigError(f"actor_train.strategy_args.strategy_config.{key} is not a "
                                       "Megatron option asyncrl knows (see asyncrl.learner."
                                       "megatron_args)")  # fmt: skip
-        if key in CHOICES and value not in CHOICES[key]:
-            raise MegatronConfigError(f"strategy_config.{key}: {value!r} is not one of "
-                                      f"{', '.join(map(str, CHOICES[key]))}")  # fmt: skip
-    for key in PARALLEL:
-        value = sc.get(key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise MegatronConfigError(
-                f"strategy_config.{key} must be a positive int, got {value!r}"
-            )
-    if sc.get("recompute_method") and not sc.get("recompute_num_layers"):
-        raise MegatronConfigError("strategy_config.recompute_method needs recompute_num_layers")
-    vpp = sc.get("virtual_pipeline_model_parallel_size") or 1
-    if vpp > 1 and (sc.get("pipeline_model_parallel_size") or 1) < 2:
-        raise MegatronConfigError(
-            "strategy_config.virtual_pipeline_model_parallel_size needs "
-            "pipeline_model_parallel_size >= 2 (virtual stages interleave pipeline ranks)"
-        )
+    problem = megatron_problem(sc)
+    if problem:
+        raise MegatronConfigError(problem)
 
 
 def check_layers(hf: Mapping[str, Any], sc: Mapping[str, Any]) -> None:
@@ -158,7 +133,7 @@ def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any])
         # could pair a send with the wrong receive).
         out.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     out.update({k: sc[k] for k in TRANSFORMER if k in sc})
-    out.update({k: v for k, v in sc.items() if k.startswith("moe_")})
+    out.update({k: v for k, v in sc.items() if k.startswith(MEGATRON_PREFIX)})
     out.update(dict(sc.get("override_transformer_config") or {}))
     return out
 

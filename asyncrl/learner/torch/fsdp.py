@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.config.learner_checks import FSDP_OFFLOAD
+from asyncrl.config.strategy_keys import strategy_option
 from asyncrl.learner.dtensor import local_value
 
 # The DCP directory inside a checkpoint that holds the sharded model and optimizer.
@@ -96,8 +98,8 @@ def shard_learner(
     """Shard the policy (`train`: actor_train's section) and a reference model of its own (the
     frozen copy or the configured one: sharded for inference alike) in place. A LoRA policy
     (peft) is sharded whole, base and adapter alike: only the adapter's shards train."""
-    config = train.strategy_args.strategy_config  # validation: the two keys agree
-    offload = bool(config.get("offload_params") or config.get("offload_optimizer"))
+    args = train.strategy_args  # validation: the two keys agree (verl's names folded in)
+    offload = any(strategy_option("actor_train", args, k) for k in FSDP_OFFLOAD)
     shard(model, device, compute_dtype, offload)
     if reference is not None:
         shard(reference, device, compute_dtype, offload)
