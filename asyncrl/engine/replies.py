@@ -244,7 +244,7 @@ def generate_body(
     per item, or none.
 
     `namespace`: the prefix-cache namespace (`extra_key`) of requests without one of their own.
-    A body carries ONE `extra_key` string, batched too: SGLang before 0.5.15 hands each item of
+    A body carries ONE `extra_key` string, batched too: SGLang before 0.5.14 hands each item of
     a batch the whole `extra_key` list (`GenerateReqInput.__getitem__`), which its radix cache
     cannot hash; so the requests of a batched body must share one (the client splits a batch
     by it). `lora_path`: the adapter every item runs on (None: the base model); `keys`: the
