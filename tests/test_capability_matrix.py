@@ -224,6 +224,36 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
         assert not any(r.get("rollout/eval_failures") for r in rows), _seen(rows, "eval")
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
+    check_schedules(choice, rows)
+
+
+PEAK_LR = 1e-3  # BASE's actor_train.training_args.learning_rate
+# The keys that name the actor's schedule (verl's two names fold into actor_train's).
+ACTOR_SCHEDULE = (
+    "actor_train.training_args.lr_scheduler_type",
+    "actor.optim.lr_scheduler_type",
+    "actor.optim.warmup_style",
+)
+
+
+def check_schedules(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The learning rate each step reports (after its optimizer steps) follows the named
+    schedule: constant stays at the peak, linear and cosine decay over the run's steps. (Over
+    two steps both decays pass the midpoint, where they are equal: the learner's `lr_factor`
+    tests tell them apart.)"""
+    kinds = {choice[p] for p in ACTOR_SCHEDULE if p in choice}
+    schedules = [("learner/lr", kinds.pop() if len(kinds) == 1 else None, PEAK_LR)]
+    schedules.append(("critic/lr", choice.get("critic.training_args.lr_scheduler_type"), None))
+    for key, kind, peak in schedules:
+        if kind is None or (key == "critic/lr" and choice.get("critic") != cap.ON):
+            continue
+        lrs = _seen(rows, key)
+        assert None not in lrs, (key, lrs)
+        if kind == "constant":
+            assert all(lr == pytest.approx(peak or lrs[0]) for lr in lrs), (key, kind, lrs)
+        else:  # decays from the first step on, to the floor (min_lr_ratio 0) at the last
+            assert lrs[0] < (peak or math.inf) and lrs[-1] < lrs[0], (key, kind, lrs)
+            assert lrs[-1] == pytest.approx(0.0, abs=1e-12), (key, kind, lrs)
 
 
 def test_planned_runs_train(matrix, tmp_path):
