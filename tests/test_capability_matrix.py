@@ -225,6 +225,57 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
     check_schedules(choice, rows)
+    check_engine_tallies(choice, rows)
+    check_dtypes(choice, rows)
+
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_dtypes(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A configured dtype is the dtype the weights are held in: the learner's policy and
+    reference (the torch learner reports its tensors per dtype), the engines' (their
+    /server_info, through `EngineFleet.metrics`)."""
+    torch_learner = choice.get("actor_train.strategy_args.strategy_name") != "megatron_train"
+    where = [("actor_infer.model_args.dtype", "engines/params_")]
+    if torch_learner:  # the Megatron learner reports no dtype counts
+        where += [
+            ("actor_train.model_args.dtype", "learner/params_"),
+            ("reference.model_args.dtype", "learner/reference_params_"),
+        ]
+    for path, prefix in where:
+        if path not in choice:
+            continue
+        held = {d: n for d, n in _tallies(rows, prefix).items() if n > 0}
+        want = TORCH_DTYPES[choice[path]]
+        if choice.get("actor_train.model_args.lora_rank") and prefix == "learner/params_":
+            assert held.get(want, 0) > 0, (path, want, held)  # the adapter may differ
+        else:
+            assert set(held) == {want}, (path, want, held)
+
+
+def _tallies(rows: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """The engines' totals under `prefix` (`EngineFleet.metrics`), their last report."""
+    out: dict[str, float] = {}
+    for row in rows:
+        out |= {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+    return out
+
+
+def check_engine_tallies(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The engines did what the run asked, by their own count: every pause in the pause mode
+    (auto: none on hf_infer, whose engines load a sync's buckets between two steps), and every
+    weight bucket in the load format (auto on gloo: flattened for the tiny model's tensors,
+    which average well under 1 MiB)."""
+    mode = choice.get("async.pause_mode", "auto")
+    mode = "none" if mode == "auto" else mode  # the matrix's engines are hf_infer
+    pauses = {m: n for m, n in _tallies(rows, "engines/pauses_").items() if n > 0}
+    assert pauses == ({} if mode == "none" else {mode: pauses.get(mode, 0)}), (mode, pauses)
+    assert mode == "none" or pauses[mode] > 0, (mode, pauses)
+    fmt = choice.get("weight_sync.load_format", "auto")
+    fmt = "flattened_bucket" if fmt == "auto" else fmt
+    buckets = {f: n for f, n in _tallies(rows, "engines/buckets_").items() if n > 0}
+    assert set(buckets) == {fmt}, (fmt, buckets)
 
 
 PEAK_LR = 1e-3  # BASE's actor_train.training_args.learning_rate
