@@ -60,7 +60,7 @@ def with_thread_dims(dims: list[cap.Dimension]) -> list[cap.Dimension]:
 class Models:
     policy = "unset"
     other = "unset"
-    full_bytes = 0  # the policy's parameters, fp32
+    full_bytes = 0  # the policy's distinct parameters, fp32 (a tied head is sent once)
 
 
 def to_overrides(choice: dict[str, Any], models: type[Models] = Models) -> list[str]:
@@ -107,7 +107,7 @@ def matrix(tmp_path_factory):
         build_model(dataclasses.replace(spec, seed=seed), tok).save_pretrained(path)
         tok.save_pretrained(path)
         setattr(Models, name, str(path))
-        Models.full_bytes = sum(4 * t.numel() for t in build_model(spec, tok).state_dict().values())
+        Models.full_bytes = sum(4 * p.numel() for p in build_model(spec, tok).parameters())
     dims = with_thread_dims(cap.dimensions())
     classes = cap.classify(dims, to_overrides)
     return dims, classes, cap.plan_runs(dims, classes, to_overrides)
