@@ -59,7 +59,7 @@ def with_thread_dims(dims: list[cap.Dimension]) -> list[cap.Dimension]:
 class Models:
     policy = "unset"
     other = "unset"
-    full_bytes = 0  # the policy's parameters, fp32
+    full_bytes = 0  # the policy's distinct parameters, fp32 (a tied head is sent once)
 
 
 def to_overrides(choice: dict[str, Any], models: type[Models] = Models) -> list[str]:
@@ -106,7 +106,7 @@ def matrix(tmp_path_factory):
         build_model(dataclasses.replace(spec, seed=seed), tok).save_pretrained(path)
         tok.save_pretrained(path)
         setattr(Models, name, str(path))
-        Models.full_bytes = sum(4 * t.numel() for t in build_model(spec, tok).state_dict().values())
+        Models.full_bytes = sum(4 * p.numel() for p in build_model(spec, tok).parameters())
     dims = with_thread_dims(cap.dimensions())
     classes = cap.classify(dims, to_overrides)
     return dims, classes, cap.plan_runs(dims, classes, to_overrides)
@@ -221,6 +221,87 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
         assert not any(r.get("rollout/eval_failures") for r in rows), _seen(rows, "eval")
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
+    check_schedules(choice, rows)
+    check_engine_tallies(choice, rows)
+    check_dtypes(choice, rows)
+
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_dtypes(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A configured dtype is the dtype the weights are held in: the learner's policy and
+    reference (the torch learner reports its tensors per dtype), the engines' (their
+    /server_info, through `EngineFleet.metrics`)."""
+    torch_learner = choice.get("actor_train.strategy_args.strategy_name") != "megatron_train"
+    where = [("actor_infer.model_args.dtype", "engines/params_")]
+    if torch_learner:  # the Megatron learner reports no dtype counts
+        where += [
+            ("actor_train.model_args.dtype", "learner/params_"),
+            ("reference.model_args.dtype", "learner/reference_params_"),
+        ]
+    for path, prefix in where:
+        if path not in choice:
+            continue
+        held = {d: n for d, n in _tallies(rows, prefix).items() if n > 0}
+        want = TORCH_DTYPES[choice[path]]
+        if choice.get("actor_train.model_args.lora_rank") and prefix == "learner/params_":
+            assert held.get(want, 0) > 0, (path, want, held)  # the adapter may differ
+        else:
+            assert set(held) == {want}, (path, want, held)
+
+
+def _tallies(rows: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """The engines' totals under `prefix` (`EngineFleet.metrics`), their last report."""
+    out: dict[str, float] = {}
+    for row in rows:
+        out |= {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+    return out
+
+
+def check_engine_tallies(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The engines did what the run asked, by their own count: every pause in the pause mode
+    (auto: none on hf_infer, whose engines load a sync's buckets between two steps), and every
+    weight bucket in the load format (auto on gloo: flattened for the tiny model's tensors,
+    which average well under 1 MiB)."""
+    mode = choice.get("async.pause_mode", "auto")
+    mode = "none" if mode == "auto" else mode  # the matrix's engines are hf_infer
+    pauses = {m: n for m, n in _tallies(rows, "engines/pauses_").items() if n > 0}
+    assert pauses == ({} if mode == "none" else {mode: pauses.get(mode, 0)}), (mode, pauses)
+    assert mode == "none" or pauses[mode] > 0, (mode, pauses)
+    fmt = choice.get("weight_sync.load_format", "auto")
+    fmt = "flattened_bucket" if fmt == "auto" else fmt
+    buckets = {f: n for f, n in _tallies(rows, "engines/buckets_").items() if n > 0}
+    assert set(buckets) == {fmt}, (fmt, buckets)
+
+
+PEAK_LR = 1e-3  # BASE's actor_train.training_args.learning_rate
+# The keys that name the actor's schedule (verl's two names fold into actor_train's).
+ACTOR_SCHEDULE = (
+    "actor_train.training_args.lr_scheduler_type",
+    "actor.optim.lr_scheduler_type",
+    "actor.optim.warmup_style",
+)
+
+
+def check_schedules(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The learning rate each step reports (after its optimizer steps) follows the named
+    schedule: constant stays at the peak, linear and cosine decay over the run's steps. (Over
+    two steps both decays pass the midpoint, where they are equal: the learner's `lr_factor`
+    tests tell them apart.)"""
+    kinds = {choice[p] for p in ACTOR_SCHEDULE if p in choice}
+    schedules = [("learner/lr", kinds.pop() if len(kinds) == 1 else None, PEAK_LR)]
+    schedules.append(("critic/lr", choice.get("critic.training_args.lr_scheduler_type"), None))
+    for key, kind, peak in schedules:
+        if kind is None or (key == "critic/lr" and choice.get("critic") != cap.ON):
+            continue
+        lrs = _seen(rows, key)
+        assert None not in lrs, (key, lrs)
+        if kind == "constant":
+            assert all(lr == pytest.approx(peak or lrs[0]) for lr in lrs), (key, kind, lrs)
+        else:  # decays from the first step on, to the floor (min_lr_ratio 0) at the last
+            assert lrs[0] < (peak or math.inf) and lrs[-1] < lrs[0], (key, kind, lrs)
+            assert lrs[-1] == pytest.approx(0.0, abs=1e-12), (key, kind, lrs)
 
 
 def test_planned_runs_train(matrix, tmp_path):

@@ -411,3 +411,17 @@ def test_info_and_weight_version_endpoints(server):
         return await c._call("GET", "/health")
 
     assert run(_with_client(server.url, go))[0] == 200
+
+
+def test_server_info_counts_pauses_by_mode_and_names_the_weights_dtype(server):
+    async def go(c):
+        before = (await c.server_info())["pauses"]
+        for mode in ("retract", "in_place", "retract"):
+            await c.pause(mode)
+            await c.resume()
+        return before, await c.server_info()
+
+    before, info = run(_with_client(server.url, go))
+    added = {m: n - before.get(m, 0) for m, n in info["pauses"].items()}
+    assert {m: n for m, n in added.items() if n} == {"retract": 2, "in_place": 1}
+    assert set(info["param_dtypes"]) == {"float32"}  # the server runs fp32

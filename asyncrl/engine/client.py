@@ -293,6 +293,14 @@ class EngineClient:
                 log.warning("%s", warning)
         return self._profile
 
+    async def server_info(self) -> dict[str, Any]:
+        """The engine's /server_info, as it answers now (asyncrl's hf server adds its pauses by
+        mode and the weight buckets it received by load_format)."""
+        data = await self._call_ok("GET", "/server_info")
+        if not isinstance(data, dict):
+            raise EngineReplyError(self.url, f"server info is not an object: {one_line(data)}")
+        return data
+
     async def begin_weight_update(self) -> str:
         return await self._call_success("/begin_weight_update", {}, None)
 

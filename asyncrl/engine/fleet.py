@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -33,6 +34,8 @@ from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.threads import ThreadShare
 from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
 from asyncrl.weights.sync import SyncStats, WeightSender, WeightSource
+
+log = logging.getLogger(__name__)
 
 #: The weight group of a dedicated evaluation engine (`logging.eval_engine: dedicated`).
 EVAL_GROUP = "asyncrl_weights_eval"
@@ -79,6 +82,7 @@ class EngineFleet:
         self.clients: list[EngineClient] = []
         self.counters: Counter[str] = Counter()
         self.last_sync: dict[str, float] = {}
+        self.engine_tallies: dict[str, float] = {}  # what the engines report (`_engine_tallies`)
         # The version of the last sync every engine completed (None: none yet); read by the
         # dispatcher's thread, which stamps it on the prompts it hands out.
         self.synced_version: int | None = None
@@ -302,7 +306,9 @@ class EngineFleet:
         else:
             copied = _copied(self._tensors(source), True) if copy else None
             job = self._broadcasts([s for s, _ in groups], source, copied, version, device)
-        return asyncio.run_coroutine_threadsafe(self._synced(job, version, then), self.runner.loop)
+        clients = [c for _, group in groups for c in group]
+        synced = self._synced(job, version, then, clients)
+        return asyncio.run_coroutine_threadsafe(synced, self.runner.loop)
 
     async def _broadcasts(
         self,
@@ -330,9 +336,12 @@ class EngineFleet:
         return SyncStats(version, seconds, nbytes, nbytes / max(seconds, 1e-9) / 1e9,
                          sum(d.buckets for d in done), sum(d.tensors for d in done))  # fmt: skip
 
-    async def _synced(self, job: Any, version: int, then: Callable[[], None] | None) -> dict:
+    async def _synced(
+        self, job: Any, version: int, then: Callable[[], None] | None, clients: list[EngineClient]
+    ) -> dict:
         stats = await job
         self.counters["syncs"] += 1
+        await self._engine_tallies(clients)
         self.synced_version = version
         self.last_sync = {
             "sync/seconds": stats.seconds,
@@ -362,8 +371,31 @@ class EngineFleet:
             return "auto" if self.backend == "gloo" else "flattened_bucket"
         return "flattened_bucket" if fmt == "flattened_bucket" else None
 
+    async def _engine_tallies(self, clients: list[EngineClient]) -> None:
+        """What the synced engines report having done, summed over them: pauses by mode
+        (`engines/pauses_<mode>`) and weight buckets received by load_format
+        (`engines/buckets_<format>`), totals since each started, and their parameter tensors
+        by dtype (`engines/params_<torch dtype>`); hf engines report them,
+        SGLang's /server_info has neither (no metric then). An engine that does not answer
+        leaves the last tallies in place: a metric never fails a sync that landed."""
+        tallies: Counter[str] = Counter()
+        infos = await asyncio.gather(*(c.server_info() for c in clients), return_exceptions=True)
+        if failed := next((i for i in infos if isinstance(i, BaseException)), None):
+            log.warning("engine tallies not read after a sync: %s", failed)
+            return
+        for info in infos:
+            fields = (
+                ("pauses", "pauses_"),
+                ("bucket_formats", "buckets_"),
+                ("param_dtypes", "params_"),
+            )
+            for field, prefix in fields:
+                for name, count in (info.get(field) or {}).items():
+                    tallies[f"{prefix}{name}"] += int(count)
+        self.engine_tallies = {f"engines/{k}": float(v) for k, v in tallies.items()}
+
     def metrics(self) -> dict[str, float]:
-        return {f"engines/{k}": float(v) for k, v in self.counters.items()}
+        return {f"engines/{k}": float(v) for k, v in self.counters.items()} | self.engine_tallies
 
 
 def _copied(tensors: Any, copy: bool) -> Any:

@@ -49,7 +49,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import torch
@@ -95,6 +95,8 @@ class HFEngine:
         self._cond = threading.Condition(threading.Lock())
         self._waiting: deque[Seq] = deque()
         self._paused = False
+        # pause_generation calls by mode, as this engine applied them (/server_info reports them)
+        self.pauses: Counter[str] = Counter()
         self._stopping = False
         self._seed_rng = random.Random(seed)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
@@ -208,6 +210,7 @@ class HFEngine:
             self.keep_pinned()  # a pause precedes a weight update
             with self._cond:
                 self._paused = True
+                self.pauses[mode] += 1
                 live, kept = self._lanes.live, self._lanes.kept
                 why = "aborted by pause_generation(abort)"
                 if mode == "abort":

@@ -31,13 +31,14 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 
 from aiohttp import web
 
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, show
 from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
 from asyncrl.engine.hf.protocol import field, ok_reply, parse_generate, read_json, version
-from asyncrl.engine.hf.weight_routes import add_weight_routes
+from asyncrl.engine.hf.weight_routes import RECEIVER, add_weight_routes
 from asyncrl.engine.hf.weights import WeightReceiver
 from asyncrl.engine.process import API_KEY_ENV
 from asyncrl.engine.versions import HF_SERVER_VERSION
@@ -226,6 +227,15 @@ async def server_info(request: web.Request) -> web.Response:
     info["max_pinned_versions"] = engine.max_pinned_versions
     info["pinned_version_linger_s"] = engine.pinned_linger_s
     info |= {"num_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
+    # what this engine was asked to do, as it did it: its pauses by mode, the weight buckets
+    # it received by load_format (the fleet reports them: `EngineFleet.metrics`)
+    info["pauses"] = dict(engine.pauses)
+    receiver = request.app[RECEIVER]
+    info["bucket_formats"] = dict(receiver.bucket_formats)
+    # the dtypes its live parameters are held in (tensors per dtype): what it serves in
+    info["param_dtypes"] = dict(
+        Counter(str(p.dtype).removeprefix("torch.") for p in receiver.params.values())
+    )
     return web.json_response(info)
 
 

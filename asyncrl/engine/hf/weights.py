@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 
 import torch
 
@@ -77,6 +78,9 @@ class WeightReceiver:
         # returns, changes nothing. `state` orders abandons against the receive's commit.
         self.epoch = 0
         self.state = threading.Lock()
+        # buckets received by their load_format (flattened_bucket, or tensors: one broadcast
+        # per tensor), as the sender asked for them (/server_info reports them)
+        self.bucket_formats: Counter[str] = Counter()
 
     def init_group(
         self,
@@ -172,6 +176,7 @@ class WeightReceiver:
             if epoch != self.epoch:
                 return False, abandoned(group_name)
             flat = payload[0] if flattened else None
+            self.bucket_formats["flattened_bucket" if flattened else "tensors"] += 1
             return self._commit(names, tdtypes, tshapes, tensors, per_tensor, hold, version, flat)
 
     def _buffers(self, names, dtypes, shapes, total, per_tensor, flattened, device, hold) -> tuple:

@@ -105,6 +105,10 @@ class TorchLearner:
                                                     device, critic_steps, rank, world_size)  # fmt: skip
         self.kl_ctrl = obj.kl_controller(algorithm)  # None unless use_kl_in_reward
         self.stochastic_forward = lp.has_dropout(self.model)
+        # the dtypes the trained (and reference) weights are held in: tensors per dtype
+        self.dtype_metrics = _dtype_counts("learner/params_", self.model)
+        if self.reference is not None and self.reference is not self.model:
+            self.dtype_metrics |= _dtype_counts("learner/reference_params_", self.reference)
 
     # -- construction helpers ----------------------------------------------------------------
     def _lr_lambda(self, total_steps: int):
@@ -137,6 +141,7 @@ class TorchLearner:
         metrics.update(
             {
                 **adv_metrics,
+                **self.dtype_metrics,
                 "learner/step_seconds": time.perf_counter() - start,
                 "learner/lr": self.scheduler.get_last_lr()[0],
                 "learner/tokens": float(data["response_mask"].sum()),
@@ -410,3 +415,12 @@ class TorchLearner:
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.version = int(state.get("version", self.version))
+
+
+def _dtype_counts(prefix: str, model: torch.nn.Module) -> dict[str, float]:
+    """`<prefix><torch dtype>`: how many of `model`'s parameter tensors are held in it."""
+    counts: dict[str, float] = {}
+    for p in model.parameters():
+        key = prefix + str(p.dtype).removeprefix("torch.")
+        counts[key] = counts.get(key, 0.0) + 1.0
+    return counts
