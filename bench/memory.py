@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import add_threads_flag, finish, headline, make_parser, print_table
+from common import add_threads_flag, cpu_model, finish, headline, make_parser, print_table
 
 QWEN25_VOCAB = 151_936
 PROMPT_LEN = 32
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                             cwd=Path(__file__).parent, check=False).stdout.strip()  # fmt: skip
     result = {
         "commit": commit or None,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "method": "peak RSS growth over the step (VmHWM after clear_refs, strict mmap malloc), "
         "one child process per run",
         "vocab": args.vocab, "small_vocab": args.small_vocab, "hidden": args.hidden,
@@ -176,17 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         "headline": {"vocab_memory_x_logits_worst": headline(worst, False, "x [R x V] fp32")},
     }  # fmt: skip
     return finish("memory", result, args, _plot(rows), argv)
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name (Linux: /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def _plot(rows: list[dict]):

@@ -152,23 +152,12 @@ class EpisodeBuilder:
     """Env seed → TrajectoryGroup of n concurrent episodes through the engines."""
 
     def __init__(self, settings: RolloutSettings) -> None:
-        from asyncrl.engine.client import EngineClient
 
         if settings.env is None:
             raise ValueError("EpisodeBuilder needs RolloutSettings.env")
         self.s, self.env_cfg = settings, settings.env
         resolve_env(self.env_cfg.name)  # a bad name or path fails when the actor starts
-        timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
-        self.clients = [
-            EngineClient(
-                u,
-                timeout=timeout,
-                api_key=key,
-                lora=settings.engine_lora,
-                router=settings.engine_router,
-            )  # fmt: skip
-            for u in settings.engine_urls
-        ]
+        self.clients = settings.engine_clients()
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
         self.template = TurnTemplate(self.tokenizer, self.env_cfg.template)

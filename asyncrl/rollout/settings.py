@@ -71,6 +71,23 @@ class RolloutSettings:
     def max_new_tokens(self) -> int:
         return self.generating.max_new_tokens or self.response_length
 
+    def engine_clients(self) -> list:
+        """One `EngineClient` per engine URL, as these settings say to talk to it (timeout,
+        API key, native LoRA, router). Imported here: the rollout workers' modules load it
+        only where a worker is built."""
+        from asyncrl.engine.client import EngineClient
+
+        return [
+            EngineClient(
+                u,
+                timeout=self.rollout.request_timeout_s,
+                api_key=self.engine_api_key,
+                lora=self.engine_lora,
+                router=self.engine_router,
+            )  # fmt: skip
+            for u in self.engine_urls
+        ]
+
 
 @dataclass
 class PromptResult:

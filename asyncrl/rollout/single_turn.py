@@ -87,21 +87,10 @@ class GroupBuilder:
     """Prompt → scored TrajectoryGroup through the engines."""
 
     def __init__(self, settings: RolloutSettings) -> None:
-        from asyncrl.engine.client import EngineClient
         from asyncrl.rewards import get_reward_fn
 
         self.s = settings
-        timeout, key = settings.rollout.request_timeout_s, settings.engine_api_key
-        self.clients = [
-            EngineClient(
-                u,
-                timeout=timeout,
-                api_key=key,
-                lora=settings.engine_lora,
-                router=settings.engine_router,
-            )  # fmt: skip
-            for u in settings.engine_urls
-        ]
+        self.clients = settings.engine_clients()
         self._next_engine = itertools.cycle(range(len(self.clients)))
         self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
         self.reward_fn = get_reward_fn(settings.rollout.reward_fn)
