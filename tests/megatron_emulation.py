@@ -129,9 +129,10 @@ def run_ranks(world: int, model_dir: Path, setup: dict, work: Path) -> list[dict
     """Every rank's `rank_main` in its own process; what each saved."""
     import torch.multiprocessing as mp
 
-    from asyncrl.net import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
+    # a file store in the run's own directory: a port picked free here could be taken by
+    # another process before rank 0 listens on it
+    (work / "rendezvous").unlink(missing_ok=True)
+    init = f"file://{work / 'rendezvous'}"
     mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
     return [torch.load(work / f"rank{r}.pt") for r in range(world)]
 
