@@ -1,7 +1,7 @@
 """Run the real Megatron learner on the CPU by redirecting Megatron's CUDA-only calls.
 
 megatron-core hard-codes CUDA in a few places (device="cuda" buffers, the CUDA RNG tracker,
-`torch.cuda.current_device()`); here those calls land on the CPU and the process group is gloo,
+`torch.cuda.current_device()`, CUDA streams in 0.17+); here those calls land on the CPU and the process group is gloo,
 so `MegatronWorker` (asyncrl's code, unchanged) builds, scores, steps and exports a tiny model
 on a CPU box. The redirect is the edge that is faked; Megatron's TP/PP/DP logic and asyncrl's
 all run for real. Activation recompute is out of reach (it saves CUDA RNG states).
@@ -28,10 +28,24 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
+class CpuStream:
+    """The current CUDA stream as Megatron uses it (megatron-core 0.17+ asks for it in every
+    DDP gradient sync), on the CPU: every op runs in issue order on the one thread, so a wait
+    on another stream or event is already satisfied."""
+
+    def wait_stream(self, other: CpuStream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
 def apply() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.synchronize = lambda *a, **k: None
+    stream = CpuStream()
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: stream
 
     def cpuify(fn):
         def wrapped(*a, **k):
@@ -115,9 +129,10 @@ def run_ranks(world: int, model_dir: Path, setup: dict, work: Path) -> list[dict
     """Every rank's `rank_main` in its own process; what each saved."""
     import torch.multiprocessing as mp
 
-    from asyncrl.net import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
+    # a file store in the run's own directory: a port picked free here could be taken by
+    # another process before rank 0 listens on it
+    (work / "rendezvous").unlink(missing_ok=True)
+    init = f"file://{work / 'rendezvous'}"
     mp.spawn(rank_main, args=(world, init, str(model_dir), setup, str(work)), nprocs=world)
     return [torch.load(work / f"rank{r}.pt") for r in range(world)]
 

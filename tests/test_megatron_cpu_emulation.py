@@ -1,13 +1,14 @@
-"""The real Megatron learner (megatron-core 0.16) on the CPU, two or four ranks, against the
-torch learner: tensor parallel with a padded vocabulary, pipeline parallel, data parallel with
-the distributed optimizer, data parallel with a batch-level advantage estimator (REINFORCE++:
-each rank must whiten over the whole batch, not its shard), context parallel (Megatron's
-load-balanced 2·CP split, asyncrl's all-gather CP attention on the local spec; with DP and the
-distributed optimizer, and with TP), virtual pipeline stages (the interleaved schedule, also
-with dead micro-batches) and CP, PP and VPP at once (with the KL reference). Every case also
-loads checkpoint weights back (per chunk) and checks they score as before. Megatron's CUDA-only
-calls are redirected (tests/megatron_emulation.py); skipped when megatron-core is not
-installed. The GPU runs live in tests/gpu/.
+"""The real Megatron learner (megatron-core 0.15-0.19, `compat.py`) on the CPU, two or four
+ranks, against the torch learner: tensor parallel with a padded vocabulary, pipeline parallel,
+data parallel with the distributed optimizer, data parallel with a batch-level advantage
+estimator (REINFORCE++: each rank must whiten over the whole batch, not its shard), context
+parallel (Megatron's load-balanced 2·CP split, asyncrl's all-gather CP attention on the local
+spec; with DP and the distributed optimizer, with PP and the distributed optimizer, and with
+TP), virtual pipeline stages (the interleaved schedule, also with dead micro-batches) and CP, PP
+and VPP at once (with the KL reference). Every case also loads checkpoint weights back (per
+chunk) and checks they score as before. Megatron's CUDA-only calls are redirected
+(tests/megatron_emulation.py); skipped when megatron-core is not installed. The default suite
+runs `QUICK`, the rest are `slow`. The GPU runs live in tests/gpu/.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ CASES = {
                                                   "use_distributed_optimizer": True}),
     "tp2-cp2-padded-vocab": (2, 1, "101", {"context_parallel_size": 2, "world": 4}),
     "vpp2-pp2": (1, 2, "-", {"virtual_pipeline_model_parallel_size": 2}),
+    # the distributed optimizer shards over the data-parallel x context-parallel group (here CP)
+    "pp2-cp2-distributed-optimizer": (1, 2, "-", {"context_parallel_size": 2, "world": 4,
+                                                  "use_distributed_optimizer": True,
+                                                  "overlap_grad_reduce": True}),
     # + the KL reference (frozen chunks, CP-split) over two optimizer steps (the second with
     # the actor moved away from it)
     "cp2-pp2-vpp2-kl": (1, 2, "-", {"context_parallel_size": 2, "world": 4,
@@ -51,10 +56,14 @@ CASES = {
 }  # fmt: skip
 # The issue's bar (1e-6) for the CP and VPP cases; the older cases keep theirs.
 LOGPROB_TOL = {case: 1e-6 for case in CASES if "cp2" in case or "vpp2" in case}
+# The default suite's share (six ranks in all): TP (with a padded vocabulary), PP, CP and the
+# distributed optimizer, once each; the rest are `slow` (all of them: -m "not gpu").
+QUICK = ("tp2-padded-vocab", "pp2-cp2-distributed-optimizer")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=() if c in QUICK else pytest.mark.slow) for c in sorted(CASES)]
+)
 def test_two_ranks_match_the_torch_learner(tmp_path, tiny_model, case):
     tp, pp, vocab, extra = CASES[case]
     out = tmp_path / "result.json"

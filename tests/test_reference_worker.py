@@ -334,9 +334,7 @@ def megatron_main(actor: str, reference: str, out: str) -> None:
     """Two data-parallel Megatron ranks (gloo) in spawned processes."""
     import torch.multiprocessing as mp
 
-    from asyncrl.net import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = f"file://{Path(out) / 'rendezvous'}"  # no port another process could take first
     mp.spawn(_megatron_rank, args=(2, init, actor, reference, out), nprocs=2)
 
 

@@ -1,10 +1,11 @@
 """Building one rank's Megatron model: process groups, TransformerConfig, layer spec, GPTModel
 with HF weights (built-in mapping or Megatron-Bridge), DDP and the Megatron optimizer.
 
-Megatron-core 0.16 APIs, imported inside the functions only. The local layer spec needs no
-Transformer Engine; sequence parallelism does (Megatron's local RMSNorm refuses it), which is
-checked here with an error naming the option. Context parallelism on the local spec uses
-asyncrl's all-gather CP attention (`context.py`); Transformer Engine's attention does its own.
+Megatron-core 0.15-0.19 APIs (their differences in `compat.py`), imported inside the functions
+only. The local layer spec needs no Transformer Engine; sequence parallelism does (Megatron's
+local RMSNorm refuses it), which is checked here with an error naming the option. Context
+parallelism on the local spec uses asyncrl's all-gather CP attention (`context.py`); Transformer
+Engine's attention does its own.
 
 Virtual pipeline stages (`virtual_pipeline_model_parallel_size` V): every pipeline rank builds
 V model chunks, chunk v of rank r holding layers of virtual stage v·PP + r; the model is always
@@ -23,6 +24,7 @@ import torch
 
 from asyncrl.device import DeviceSpec, select_device
 from asyncrl.learner.megatron.args import TRANSFORMER, MegatronConfigError, MegatronPlan
+from asyncrl.learner.megatron.compat import check_version
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.weights import HFCheckpoint, load_hf_into, stage_layout, unwrap
 from asyncrl.learner.placement import Rendezvous
@@ -65,6 +67,7 @@ def init_parallel(plan: MegatronPlan, seed: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    check_version()  # one line on a megatron-core no test has run, before any group is made
     par = plan.parallel
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -46,6 +46,7 @@ from asyncrl.learner.megatron.build import (
     init_parallel,
     wrap,
 )
+from asyncrl.learner.megatron.compat import split_for_cp_rank
 from asyncrl.learner.megatron.logits import token_logprobs
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.reference import megatron_reference
@@ -219,10 +220,8 @@ class MegatronWorker:
         data.update(right_align(data, self.pad_id, 2 * cp * tp if cp > 1 else tp))
         data["seq_length"] = data["tokens"].shape[1]
         if cp > 1:  # this CP rank's positions, split as Megatron's own training loop splits
-            from megatron.core.utils import get_batch_on_this_cp_rank
-
             keys = ("tokens", "position_ids", "labels")
-            data.update(get_batch_on_this_cp_rank({k: data[k] for k in keys}))
+            data.update(split_for_cp_rank({k: data[k] for k in keys}))
         return data
 
     def logprobs(self, groups: list) -> torch.Tensor | None:
