@@ -30,6 +30,7 @@ from asyncrl.engine.client import EngineClient
 from asyncrl.engine.health import HealthMonitor
 from asyncrl.engine.launchers import make_launcher
 from asyncrl.engine.process import ServerHandle
+from asyncrl.engine.versions import HF_SERVER_VERSION
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.threads import ThreadShare
 from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: The weight group of a dedicated evaluation engine (`logging.eval_engine: dedicated`).
 EVAL_GROUP = "asyncrl_weights_eval"
+#: What an engine's /server_info tallies (hf engines) -> the prefix of its `engines/` metric.
+TALLIES = (("pauses", "pauses_"), ("bucket_formats", "buckets_"), ("param_dtypes", "params_"))
 
 
 class EngineFleet:
@@ -341,7 +344,6 @@ class EngineFleet:
     ) -> dict:
         stats = await job
         self.counters["syncs"] += 1
-        await self._engine_tallies(clients)
         self.synced_version = version
         self.last_sync = {
             "sync/seconds": stats.seconds,
@@ -350,7 +352,8 @@ class EngineFleet:
             "sync/bytes": float(stats.bytes),
         }
         if then is not None:
-            then()
+            then()  # admission opens for the version before the tallies are asked for
+        await self._engine_tallies(clients)
         return dict(self.last_sync)
 
     def _tensors(self, source: WeightSource) -> Iterable[tuple[str, Any]]:
@@ -375,21 +378,19 @@ class EngineFleet:
         """What the synced engines report having done, summed over them: pauses by mode
         (`engines/pauses_<mode>`) and weight buckets received by load_format
         (`engines/buckets_<format>`), totals since each started, and their parameter tensors
-        by dtype (`engines/params_<torch dtype>`); hf engines report them,
-        SGLang's /server_info has neither (no metric then). An engine that does not answer
-        leaves the last tallies in place: a metric never fails a sync that landed."""
+        by dtype (`engines/params_<torch dtype>`). Only hf engines report them, so only they
+        are asked (their profile is known since the sync: no extra call to an SGLang engine).
+        An engine that does not answer leaves the last tallies in place: a metric never fails
+        a sync that landed."""
         tallies: Counter[str] = Counter()
-        infos = await asyncio.gather(*(c.server_info() for c in clients), return_exceptions=True)
+        profiles = await asyncio.gather(*(c.profile() for c in clients))
+        hf = [c for c, p in zip(clients, profiles) if p.version == HF_SERVER_VERSION]
+        infos = await asyncio.gather(*(c.server_info() for c in hf), return_exceptions=True)
         if failed := next((i for i in infos if isinstance(i, BaseException)), None):
             log.warning("engine tallies not read after a sync: %s", failed)
             return
         for info in infos:
-            fields = (
-                ("pauses", "pauses_"),
-                ("bucket_formats", "buckets_"),
-                ("param_dtypes", "params_"),
-            )
-            for field, prefix in fields:
+            for field, prefix in TALLIES:
                 for name, count in (info.get(field) or {}).items():
                     tallies[f"{prefix}{name}"] += int(count)
         self.engine_tallies = {f"engines/{k}": float(v) for k, v in tallies.items()}
