@@ -33,7 +33,7 @@ Join = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Ten
 
 _TYPES = ("qwen2", "llama")
 #: SDPA takes `enable_gqa` (torch >= 2.5; the project allows 2.4).
-_NATIVE_GQA = torch.__version__ >= "2.5"
+NATIVE_GQA = torch.__version__ >= "2.5"
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 #: torch's SiLU module and transformers' own (the class `hidden_act: silu` builds).
@@ -94,7 +94,7 @@ class Llama:
         # SDPA's own GQA where it is there and fast (5-8 % faster decode on CPU); with a mask
         # on CUDA it falls back to its math path (transformers' `use_gqa_in_sdpa`)
         device = next(model.parameters()).device
-        self.native_gqa = self.group > 1 and _NATIVE_GQA and device.type == "cpu"
+        self.native_gqa = self.group > 1 and NATIVE_GQA and device.type == "cpu"
 
     def blocks(
         self,

@@ -6,7 +6,11 @@
 (b) FSDP2 on 2 CPU ranks vs 1 process: this rank's parameter + gradient + optimizer bytes
     (rank 0, the larger share of an uneven split) and the step time;
 (c) the packed learner step vs a bare packed fwd+bwd of the same real tokens (no IS, no
-    metrics: forward, masked policy-gradient loss, backward, clip, AdamW).
+    metrics: forward, masked policy-gradient loss, backward, clip, AdamW);
+(d) attention on one packed row of `--row-tokens` (default 8k) real tokens: the learner's
+    varlen attention (`asyncrl.learner.varlen`, each sequence its own causal attention) vs the
+    dense block-diagonal mask transformers' sdpa builds from the position ids, one fwd+bwd of
+    the same model and tokens each (target: varlen faster).
 """
 
 from __future__ import annotations
@@ -94,9 +98,8 @@ def bare_packed_step(model: Any, opt: Any, data: dict[str, torch.Tensor], budget
     for part in packing.partition(packing.real_lengths(data["attention_mask"]), budget):
         idx = torch.tensor(part, dtype=torch.long)
         rows = {k: v[idx] for k, v in data.items()}
-        packed = packing.pack(rows, one_row=packing.varlen_attention(model))
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                    use_cache=False, logits_to_keep=packed.keep).logits  # fmt: skip
+        packed = packing.pack(rows, one_row=packing.one_row(model))
+        out = packing.forward(model, packed, logits_to_keep=packed.keep).logits
         logits = out.reshape(-1, out.shape[-1])[packed.select].float()
         logp = logits.gather(-1, packed.targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
         adv = rows["advantages"][packed.rows, packed.cols]
@@ -173,3 +176,34 @@ def measure_fsdp(model_dir: Path, groups: list, micro: int, repeats: int) -> dic
     out["state_ratio"] = out[2]["state_bytes"] / out[1]["state_bytes"]
     out["step_ratio"] = out[1]["seconds"] / out[2]["seconds"]
     return out
+
+
+def measure_varlen(model_dir: Path, row_tokens: int, repeats: int, seed: int = 0) -> dict:
+    """(d): one packed row of about `row_tokens` real tokens (log-normal sequence lengths, the
+    ragged shape), fwd + summed-logprob bwd, varlen attention vs sdpa's dense block mask."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learner import varlen
+
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    while sum(lengths) < row_tokens:
+        lengths.append(int(np.clip(rng.lognormal(np.log(256), 1.0), 16, row_tokens // 2)))
+    lengths[-1] -= sum(lengths) - row_tokens  # exactly row_tokens
+    ids = torch.from_numpy(rng.integers(4, 100, row_tokens))[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    bounds = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+              "max_length_k": max(lengths)}  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    assert varlen.enable(model), varlen.why_not(model)
+
+    def step(impl: str) -> None:
+        model.config._attn_implementation = impl
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, **bounds).logits
+        logits.float().log_softmax(-1).amax(-1).sum().backward()
+
+    seconds = {name: timed(lambda i=impl: step(i), repeats)
+               for name, impl in (("varlen", varlen.NAME), ("dense_mask", "sdpa"))}  # fmt: skip
+    return {"seconds": seconds, "row_tokens": row_tokens, "sequences": len(lengths),
+            "max_len": max(lengths), "speedup": seconds["dense_mask"] / seconds["varlen"]}  # fmt: skip

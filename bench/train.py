@@ -22,10 +22,12 @@ never costs more than the padded batch's attention) vs padded learner on a log-n
 long-tail length distribution, real tokens/s
 and the padded batch's padding fraction (target packed >= 1.5x); the packed learner vs a bare
 packed fwd+bwd of the same real tokens (target >= 0.9x); FSDP2 on 2 CPU ranks vs 1 process,
-rank 0's parameter + gradient + optimizer bytes (target <= 0.55x) and the step time.
+rank 0's parameter + gradient + optimizer bytes (target <= 0.55x) and the step time; one packed
+row of `--row-tokens` real tokens through the learner's varlen attention vs sdpa's dense
+block-diagonal mask (fwd+bwd; target: varlen faster).
 
     asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 2]
-                        [--threads 1] [--budget 512]
+                        [--threads 1] [--budget 512] [--row-tokens 8192]
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
     parser.add_argument("--budget", type=int, default=512, help="packed tokens per micro-batch")
+    parser.add_argument("--row-tokens", type=int, default=None, help="the varlen part's row")
     add_threads_flag(parser)
     args = parser.parse_args(argv)
     groups_n = args.groups or (2 if args.smoke else 8)
@@ -192,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             pk = scale.measure_packing(model_dir, ragged, args.micro, args.budget, repeats)
             fs = scale.measure_fsdp(model_dir, make_groups(groups_n, n, resp, vocab), args.micro,
                                     repeats)  # fmt: skip
+            vl = scale.measure_varlen(model_dir, args.row_tokens or (512 if args.smoke else 8192),
+                                      repeats)  # fmt: skip
     rows = _rows(m)
     print_table(
         f"learner step, {m['rows']} sequences x {m['padded_width']} (padded), "
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         [[r["path"], r["seconds"], r["trained_tokens_per_s"], r["processed_tokens_per_s"],
           r["x_raw"], r["gflops"], r["mfu"]] for r in rows],
     )  # fmt: skip
-    _print_scale(pk, fs)
+    _print_scale(pk, fs, vl)
     main_row = rows[0]
     result = {
         **{k: v for k, v in m.items() if k != "seconds"},
@@ -212,15 +217,16 @@ def main(argv: list[str] | None = None) -> int:
             "packed_vs_padded": headline(pk["tokens_per_s"]["packed"] / pk["tokens_per_s"]["padded"], True, "x"),
             "packed_learner_vs_bare": headline(pk["seconds"]["bare_packed"] / pk["seconds"]["packed"], True, "x"),
             "fsdp2_state_per_rank_ratio": headline(fs["state_ratio"], False, "x"),
+            "varlen_vs_dense_mask": headline(vl["speedup"], True, "x"),
         },
-        "packing": pk, "fsdp2": fs,
+        "packing": pk, "fsdp2": fs, "varlen": vl,
     }  # fmt: skip
     if main_row["mfu"] is not None:
         result["headline"]["mfu"] = headline(main_row["mfu"], True, "")
     return finish("train", result, args, _plot(rows), argv)
 
 
-def _print_scale(pk: dict[str, Any], fs: dict[Any, Any]) -> None:
+def _print_scale(pk: dict[str, Any], fs: dict[Any, Any], vl: dict[str, Any]) -> None:
     t = pk["tokens_per_s"]
     print_table(
         f"packed vs padded: {pk['rows']} rows, lengths median {pk['median_len']:.0f} max "
@@ -236,6 +242,13 @@ def _print_scale(pk: dict[str, Any], fs: dict[Any, Any]) -> None:
         ["ranks", "s/step", "state MB", "x 1 process", "target"],
         [[1, fs[1]["seconds"], fs[1]["state_bytes"] / 1e6, 1.0, ""],
          [2, fs[2]["seconds"], fs[2]["state_bytes"] / 1e6, fs["state_ratio"], "<= 0.55x"]],
+    )  # fmt: skip
+    print_table(
+        f"attention on one packed row of {vl['row_tokens']} tokens ({vl['sequences']} sequences, "
+        f"longest {vl['max_len']}): fwd + bwd",
+        ["attention", "s", "x dense mask", "target"],
+        [["sdpa, dense block mask", vl["seconds"]["dense_mask"], 1.0, ""],
+         ["varlen (per sequence)", vl["seconds"]["varlen"], vl["speedup"], "> 1x"]],
     )  # fmt: skip
 
 

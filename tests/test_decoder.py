@@ -87,7 +87,7 @@ def test_repeated_kv_heads_path_equals_transformers(monkeypatch):
     for the query heads: the same logits."""
     from asyncrl import llama
 
-    monkeypatch.setattr(llama, "_NATIVE_GQA", False)
+    monkeypatch.setattr(llama, "NATIVE_GQA", False)
     lean, reference = _lanes(random_qwen2(init_std=0.2))  # GQA: 4 query heads, 2 K/V heads
     for a, b in zip(_run(lean)[0], _run(reference)[0], strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

@@ -269,23 +269,24 @@ def test_fill_rows_keeps_every_sequence_whole_within_the_capacity(lengths, capac
 
 
 def test_rows_as_long_as_the_longest_sequence_equal_one_row_and_padded(tiny_model):
-    """Without a varlen kernel (sdpa, eager) the packed rows are as long as the longest
+    """Without a varlen attention (eager) the packed rows are as long as the longest
     sequence: each sequence sits whole in one row, the row's tail is a segment of its own,
-    and the logprobs equal one packed row's and the padded batch's."""
+    and the logprobs equal one packed row's (a dense block mask from the position ids) and the
+    padded batch's."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
-    assert not packing.varlen_attention(model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    assert not packing.one_row(model)
     model.config._attn_implementation = "flash_attention_2"  # read only, not run here
-    assert packing.varlen_attention(model)
-    model.config._attn_implementation = "sdpa"
+    assert packing.one_row(model)
+    model.config._attn_implementation = "eager"
     data = _data(_groups(long_row=True))
     lengths = packing.real_lengths(data["attention_mask"])
     rows = packing.pack(data, one_row=False)
     assert rows.input_ids.shape[1] == max(lengths) and rows.input_ids.shape[0] < len(lengths)
     assert int((rows.position_ids == 0).sum()) >= len(lengths)  # every sequence starts at 0
     want, _ = lp.token_logprobs(model, data, TEMPERATURE)
-    got, _ = lp.token_logprobs(model, data, TEMPERATURE, packed=True)  # rows: sdpa
+    got, _ = lp.token_logprobs(model, data, TEMPERATURE, packed=True)  # rows: eager
     real = data["attention_mask"][:, -want.shape[1] :].bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=0)
     one = packing.pack(data)

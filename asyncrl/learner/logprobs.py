@@ -140,16 +140,14 @@ def packed_token_logprobs(
     same [B, R] results (0.0 at padding), the same temperature rule, no padded token computed.
     Only the logits that predict response tokens are projected (chunked where `output_head`
     is taken, else through `logits_to_keep`)."""
-    packed = packing.pack(tensors, one_row=packing.varlen_attention(model))
+    packed = packing.pack(tensors, one_row=packing.one_row(model))
     chunked_head = output_head(model) is not None
     keep = packed.keep
     if keep.numel() == 0:  # no response token: one logit keeps the graph (and FSDP) connected
         keep = torch.tensor([packed.input_ids.shape[1] - 1], device=keep.device)
-    out = model(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        attention_mask=None,  # boundaries come from position_ids (see `asyncrl.learner.packing`)
-        use_cache=False,
+    out = packing.forward(
+        model,
+        packed,
         # chunked: the hidden states, and one position's logits (unused) in place of the rest
         logits_to_keep=1 if chunked_head else keep,
         **({"output_hidden_states": True} if chunked_head else {}),

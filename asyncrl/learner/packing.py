@@ -8,14 +8,15 @@ Three pure steps, none of which knows about the loss:
    data-parallel ranks (`micro_batches`) every rank gets the SAME number of micro-batches (the
    maximum over the default process group, empty ones allowed): under FSDP2 every forward and
    backward is a collective, so a rank with fewer would hang the others.
-2. `pack`: the micro-batch's real tokens concatenated into one row (flash-attention's varlen
-   kernel), or into rows as long as its longest sequence (sdpa, eager: their block-diagonal
-   mask is dense, so one row of T tokens would cost T² attention), `position_ids` restarting
-   at 0 for every sequence and no attention mask. transformers (≥ 4.53, checked on 5.23) reads
-   sequence boundaries from such position ids: `masking_utils.find_packed_sequence_indices`
-   builds a block-diagonal causal mask for sdpa/eager/flex, and flash_attention_2 takes the
-   varlen path with cu_seqlens derived from them. So each token sees exactly the keys and the
-   position it saw in its padded row.
+2. `pack`: the micro-batch's real tokens concatenated into one row, `position_ids` restarting
+   at 0 for every sequence, no attention mask, and the sequences' boundaries as cumulative
+   lengths (`Packed.attention_kwargs`) for a varlen attention: `asyncrl.learner.varlen` (taken
+   by sdpa models, `forward`), or flash-attention's own varlen kernel. Eager and flex attention
+   would read the boundaries from the
+   position ids as a dense block-diagonal mask (transformers ≥ 4.53,
+   `masking_utils.find_packed_sequence_indices`): one row of T tokens would cost T², so for it
+   sequences go into rows as long as the longest sequence (`fill_rows`) instead. Either way
+   each token sees exactly the keys and the position it saw in its padded row.
 3. `unpack`: values computed at the packed positions that predict response tokens go back into
    the padded [rows, response_len] layout (0.0 where a row has no token), so the objective, IS
    weights and masks downstream are unchanged.
@@ -24,11 +25,14 @@ Three pure steps, none of which knows about the loss:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from asyncrl.learner import varlen
 
 
 def _fits(load: int, count: int, budget: int) -> bool:
@@ -134,6 +138,18 @@ class Packed:
     """[N] its response column (0 = first response token)."""
     shape: tuple[int, int]
     """(rows, response_len) of the padded layout `unpack` writes into."""
+    cu_seq_lens: torch.Tensor | None = None
+    """[S + 1] int32 cumulative sequence lengths of a one-row pack (None for rows)."""
+    max_len: int = 0
+    """The longest sequence's length."""
+
+    def attention_kwargs(self) -> dict[str, object]:
+        """The forward's kwargs that tell a varlen attention the boundaries (transformers'
+        flash-attention kwarg names; none for packs in several rows)."""
+        if self.cu_seq_lens is None:
+            return {}
+        cu, n = self.cu_seq_lens, self.max_len
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n}
 
 
 def real_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -193,6 +209,9 @@ def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
     r, c = attn[:, prompt_len:].nonzero(as_tuple=True)
     index = flat[:, prompt_len:][r, c] - 1
     keep, where = torch.unique(index % width, return_inverse=True)
+    cu = None
+    if one_row:
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     return Packed(
         input_ids=ids.view(len(layout), width),
         position_ids=positions.view(len(layout), width),
@@ -203,6 +222,8 @@ def pack(tensors: dict[str, torch.Tensor], one_row: bool = True) -> Packed:
         rows=r,
         cols=c,
         shape=(n_rows, resp_len),
+        cu_seq_lens=cu,
+        max_len=max(lengths, default=0),
     )
 
 
@@ -217,19 +238,29 @@ def packed_hidden_states(trunk: torch.nn.Module, tensors: dict[str, torch.Tensor
     """[B, R, H] last hidden states at the positions that predict each response token (what a
     value head reads, `asyncrl.learner.critic`), from one packed forward of a transformer trunk
     (`AutoModel`: `last_hidden_state` out); 0.0 where a row has no real token."""
-    packed = pack(tensors, one_row=varlen_attention(trunk))
-    out = trunk(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        attention_mask=None,  # boundaries come from position_ids (module docstring)
-        use_cache=False,
-    )
-    hidden = out.last_hidden_state
+    packed = pack(tensors, one_row=one_row(trunk))
+    hidden = forward(trunk, packed).last_hidden_state
     return unpack(hidden.reshape(-1, hidden.shape[-1])[packed.logit_index], packed)
 
 
-def varlen_attention(model: torch.nn.Module) -> bool:
-    """Whether `model` attends with flash-attention's varlen kernel (boundaries at no cost: one
-    packed row), as its config says; else packed rows stay as short as the longest sequence."""
-    config = getattr(model, "config", None)
-    return "flash_attention" in str(getattr(config, "_attn_implementation", None) or "")
+def forward(model: torch.nn.Module, packed: Packed, **kwargs: object) -> object:
+    """`model`'s forward over a pack (`pack(..., one_row=one_row(model))`): boundaries from the
+    position ids and, for a varlen attention, the cumulative lengths; no attention mask."""
+    return model(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        use_cache=False,
+        **packed.attention_kwargs(),
+        **kwargs,
+    )
+
+
+def one_row(model: torch.nn.Module) -> bool:
+    """Whether `model`'s packed forwards take every sequence in one row: its attention reads
+    the boundaries at no cost (varlen: `asyncrl.learner.varlen`, switched on here for an sdpa
+    model, or flash-attention's); else (eager, flex, or a model `varlen` refuses) rows stay as short as the longest sequence."""
+    if varlen.enable(model):
+        return True
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
+    return "flash_attention" in impl
