@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -123,6 +124,8 @@ def learner_extra(args: argparse.Namespace, mode: str, budget: int, rows: int) -
         extra.append("actor_train.model_args.disable_gradient_checkpointing=false")
     if args.attn:
         extra.append(f"actor_train.model_args.attn_implementation={args.attn}")
+    if args.compile:  # in place: the bare step then runs the compiled model too
+        extra.append("actor.use_torch_compile=true")
     return extra
 
 
@@ -259,6 +262,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--megatron-recompute", choices=["selective", "full"], default=None)
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
     p.add_argument("--attn", default=None, help="attn_implementation (default: transformers')")
+    p.add_argument("--compile", action="store_true", help="actor.use_torch_compile on")
+    p.add_argument("--tf32", action="store_true",
+                   help="TF32 for fp32 matmuls (e.g. the chunked LM head's fp32 weight gradient)")  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--workdir", type=Path, default=None, help="where the model dir is written")
     add_threads_flag(p)
@@ -299,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = ("cuda", "bf16") if cuda else ("cpu", "fp32")
     shape = shape_of(args)
     clock = Clock(args.time_budget)
+    if args.tf32 and cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
     from asyncrl.threads import torch_threads
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-shape-", dir=args.workdir) as tmp:
@@ -316,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = measure(args, model_dir, ctx)
     _figures(rows, ctx)
     report(rows, ctx, build_s)
+    argv = sys.argv[1:] if argv is None else argv  # the command the result records
     return finish("shape", result(rows, ctx, build_s), args, _plot(rows), argv)
 
 
@@ -390,7 +399,8 @@ def result(rows: list[dict[str, Any]], ctx: dict[str, Any], build_s: float) -> d
         "shape": ctx["shape"], "device": ctx["device"], "dtype": ctx["dtype"],
         "sequences": len(ctx["real"]), "tokens": ctx["tokens"], "seq_len": args.seq_len,
         "groups": args.groups, "n": args.n, "budget": args.budget, "repeats": args.repeats,
-        "checkpointing": args.checkpointing, "attn": args.attn, "peak_flops": ctx["peak"],
+        "checkpointing": args.checkpointing, "attn": args.attn, "compile": args.compile,
+        "tf32": args.tf32, "peak_flops": ctx["peak"],
         "flops": ctx["flops"], "model_build_s": build_s, "rows": rows,
         "targets": {"mfu": TARGET_MFU, "learner_vs_bare": TARGET_VS_BARE},
         "target_lines": target_lines(rows), "attention_costs": ctx.get("attention"),
