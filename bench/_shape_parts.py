@@ -1,7 +1,7 @@
 """The parts of `asyncrl bench shape` that are not the timed rows (a helper module: no bench of
 its own): the random Qwen2 model directory, the synthetic batch, the FLOP count, the attention
-cost of Megatron's local (no Transformer Engine) path against flash attention, and the
-profiler's summary of one step.
+cost of Megatron's local (no Transformer Engine) path against flash attention, the
+profiler's summary of one step, the run's clock and its plot.
 """
 
 from __future__ import annotations
@@ -192,3 +192,45 @@ def profile_lines(summary: dict[str, Any]) -> tuple[str, list[list[Any]]]:
         [t["name"][:90], 1e3 * t["seconds"], 100 * t["share"], t["calls"]] for t in summary["top"]
     ]
     return title, rows
+
+
+NO_TE = (
+    "Megatron without Transformer Engine runs its local layer spec: unfused attention (QK^T "
+    "materialised per head, an fp32 softmax, PV; no flash or cuDNN attention), torch's RMSNorm "
+    "(no fused layernorm), unfused RoPE, a vocab-parallel cross entropy of plain torch ops (no "
+    "fused cross entropy), no gradient-accumulation fusion (apex); its row is a lower bound of "
+    "Megatron with TE."
+)
+
+
+class Clock:
+    """Seconds since the bench began, against its time budget."""
+
+    def __init__(self, budget: float) -> None:
+        self.start, self.budget = time.perf_counter(), budget
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.budget - self.elapsed()
+
+
+def plot(rows: list[dict[str, Any]], target_mfu: float) -> Callable[[Any], None]:
+    """The rows' MFU (GPU) or model GFLOP/s (CPU) as bars, for `common.finish`."""
+
+    def draw(fig: Any) -> None:
+        ax = fig.subplots()
+        done = [r for r in rows if r.get("seconds")]
+        labels = [f"{r['path']} @{r['budget']}" for r in done]
+        if done and done[0].get("mfu") is not None:
+            ax.barh(labels, [100 * (r.get("mfu") or 0) for r in done])
+            ax.axvline(100 * target_mfu, color="k", linestyle="--", label="target")
+            ax.set_xlabel("MFU % (with attention)")
+            ax.legend()
+        else:
+            ax.barh(labels, [r["tflops"] * 1e3 for r in done])
+            ax.set_xlabel("model GFLOP/s")
+        ax.set_title("learner step at the real shape")
+
+    return draw

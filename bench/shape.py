@@ -57,19 +57,6 @@ SIZES = {
 }  # fmt: skip
 
 
-class Clock:
-    """Seconds since the bench began, against its time budget."""
-
-    def __init__(self, budget: float) -> None:
-        self.start, self.budget = time.perf_counter(), budget
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def left(self) -> float:
-        return self.budget - self.elapsed()
-
-
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
@@ -304,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", "bf16") if cuda else ("cpu", "fp32")
     shape = shape_of(args)
-    clock = Clock(args.time_budget)
+    clock = parts.Clock(args.time_budget)
     if args.tf32 and cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     from asyncrl.threads import torch_threads
@@ -325,16 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     _figures(rows, ctx)
     report(rows, ctx, build_s)
     argv = sys.argv[1:] if argv is None else argv  # the command the result records
-    return finish("shape", result(rows, ctx, build_s), args, _plot(rows), argv)
-
-
-NO_TE = (
-    "Megatron without Transformer Engine runs its local layer spec: unfused attention (QK^T "
-    "materialised per head, an fp32 softmax, PV; no flash or cuDNN attention), torch's RMSNorm "
-    "(no fused layernorm), unfused RoPE, a vocab-parallel cross entropy of plain torch ops (no "
-    "fused cross entropy), no gradient-accumulation fusion (apex); its row is a lower bound of "
-    "Megatron with TE."
-)
+    return finish("shape", result(rows, ctx, build_s), args, parts.plot(rows, TARGET_MFU), argv)
 
 
 def report(rows: list[dict[str, Any]], ctx: dict[str, Any], build_s: float) -> None:
@@ -362,7 +340,7 @@ def report(rows: list[dict[str, Any]], ctx: dict[str, Any], build_s: float) -> N
         print(f"attention fwd+bwd per step (measured at L = {a['median_len']}, scaled): "
               f"Megatron local {a['local_s']:.3g} s, flash (SDPA) {a['flash_s']:.3g} s: "
               f"lacking TE's fused attention costs ~{a['gap_s']:.3g} s a step")  # fmt: skip
-    print(NO_TE)
+    print(parts.NO_TE)
 
 
 def target_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -404,29 +382,11 @@ def result(rows: list[dict[str, Any]], ctx: dict[str, Any], build_s: float) -> d
         "flops": ctx["flops"], "model_build_s": build_s, "rows": rows,
         "targets": {"mfu": TARGET_MFU, "learner_vs_bare": TARGET_VS_BARE},
         "target_lines": target_lines(rows), "attention_costs": ctx.get("attention"),
-        "profile": ctx.get("profile"), "no_te_note": NO_TE,
+        "profile": ctx.get("profile"), "no_te_note": parts.NO_TE,
         "formula": "dense 6 (N_body T + V H R) a fwd+bwd, 2 (N_body T + V H R) a recompute "
                    "pass; attention 12 layers H L / 2 per token (fwd+bwd), a third for a recompute",
         "headline": heads,
     }  # fmt: skip
-
-
-def _plot(rows: list[dict[str, Any]]):
-    def draw(fig: Any) -> None:
-        ax = fig.subplots()
-        done = [r for r in rows if r.get("seconds")]
-        labels = [f"{r['path']} @{r['budget']}" for r in done]
-        if done and done[0].get("mfu") is not None:
-            ax.barh(labels, [100 * (r.get("mfu") or 0) for r in done])
-            ax.axvline(100 * TARGET_MFU, color="k", linestyle="--", label="target")
-            ax.set_xlabel("MFU % (with attention)")
-            ax.legend()
-        else:
-            ax.barh(labels, [r["tflops"] * 1e3 for r in done])
-            ax.set_xlabel("model GFLOP/s")
-        ax.set_title("learner step at the real shape")
-
-    return draw
 
 
 if __name__ == "__main__":
