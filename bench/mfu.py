@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,11 @@ FULL_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_layers=12, num_h
 SMOKE_MODEL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4)
 
 
-def make_learner(model_dir: Path, args: Any) -> Any:
+def make_learner(
+    model_dir: Path, args: Any, extra: Sequence[str] = (), strategy: dict | None = None
+) -> Any:
+    """The Megatron learner on GPU 0 (`args`: micro, tp, impl); `extra` config overrides and
+    `strategy` strategy_config keys on top (bench/shape.py: bypass mode, recompute)."""
     from asyncrl.config import load_config
     from asyncrl.learner.megatron.learner import MegatronLearner
 
@@ -37,10 +42,11 @@ def make_learner(model_dir: Path, args: Any) -> Any:
         "actor_train.strategy_args.strategy_name=megatron_train",
         "actor_train.model_args.dtype=bf16", "actor_train.device_mapping=[0]",
         f"actor_train.training_args.per_device_train_batch_size={args.micro}",
-        "actor_train.training_args.learning_rate=1e-6",
+        "actor_train.training_args.learning_rate=1e-6", *extra,
     ])  # fmt: skip
     cfg.actor_train.strategy_args.strategy_config = {
         "tensor_model_parallel_size": args.tp, "transformer_impl": args.impl, "use_bridge": False,
+        **(strategy or {}),
     }  # fmt: skip
     return MegatronLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm,
                            temperature=1.0, total_steps=100)  # fmt: skip

@@ -17,7 +17,7 @@ from asyncrl.cli import main
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 OURS = ["importance", "weight-sync", "rollout", "train", "e2e", "simulate", "staleness"]
-OURS += ["eval-idle", "memory"]
+OURS += ["eval-idle", "memory", "shape"]
 
 
 def _finite_headline(result: dict) -> None:
