@@ -32,13 +32,22 @@ import torch.nn.functional as F
 from asyncrl.learner.lora import AdapterOff
 
 #: fp32 bytes of one chunk's [tokens x vocabulary] logits (~110 tokens at a 152k vocabulary):
-#: small against one [T x V] tensor at the lengths that matter, large enough for full matmuls.
+#: small against one [T x V] tensor at the lengths that matter, large enough for full matmuls
+#: on the CPU.
 CHUNK_BYTES = 64 << 20
+#: The same on an accelerator (~880 tokens at a 152k vocabulary): each chunk's backward also
+#: reads and writes the head's [V x H] gradient, which small chunks make the step's largest
+#: cost on a GPU (measured on an H200 at Qwen2.5-1.5B's shape, `asyncrl bench shape`).
+CHUNK_BYTES_ACCELERATOR = 512 << 20
 
 
-def chunk_tokens(vocab: int, chunk_bytes: int | None = None) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits take about `chunk_bytes`."""
-    return max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab))
+def chunk_tokens(
+    vocab: int, chunk_bytes: int | None = None, device: torch.device | None = None
+) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about `chunk_bytes` (default: by
+    the `device` kind, `CHUNK_BYTES` on the CPU)."""
+    default = CHUNK_BYTES if device is None or device.type == "cpu" else CHUNK_BYTES_ACCELERATOR
+    return max(1, (chunk_bytes or default) // (4 * vocab))
 
 
 #: Model types whose logits are exactly the LM head on the last hidden states (no soft-cap as
@@ -77,7 +86,7 @@ def token_logprobs(
     optionally the entropy, `chunk` tokens at a time (default: `chunk_tokens(V)`)."""
     lead = proj.hidden.shape[:-1]
     hidden = proj.hidden.reshape(-1, proj.hidden.shape[-1])
-    step = chunk or chunk_tokens(proj.weight.shape[0])
+    step = chunk or chunk_tokens(proj.weight.shape[0], device=proj.weight.device)
     logp, ent = _ChunkedScore.apply(
         hidden, proj.weight, proj.bias, targets.reshape(-1), temperature, with_entropy, step
     )
@@ -89,6 +98,13 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """One chunk's fp32 logits, divided by the temperature (in place) when it is > 0."""
     z = F.linear(h, weight, bias).to(_acc(weight.dtype))
     return z.div_(temperature) if temperature > 0 else z
+
+
+def _tensor_cores(weight: torch.Tensor) -> bool:
+    """Whether the head's gradient matmuls run in its own low precision (an accelerator's
+    matrix units; fp32 inputs would take its far slower fp32 path), as autograd's backward of
+    the plain path does; on the CPU they run in fp32."""
+    return weight.device.type != "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -153,7 +169,9 @@ class _ChunkedScore(torch.autograd.Function):
             dz = dz.to(weight.dtype)  # as autograd's backward of `.float()` casts it
             if want_h:
                 grad_h[s : s + chunk] = dz @ weight
-            if want_w:
+            if want_w and _tensor_cores(weight):  # a bf16/fp16 matmul, summed in fp32
+                grad_w += dz.t() @ h
+            elif want_w:
                 grad_w.addmm_(dz.t().to(acc), h.to(acc))  # no copy in fp32
             if want_b:
                 grad_b += dz.to(acc).sum(0)
