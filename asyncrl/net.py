@@ -102,6 +102,10 @@ def init_ray(address: str | None = None) -> None:
 # workers' start thread, a multi-rank learner's construction): the second waits, then finds it
 # up. Process-wide state, so a process-wide lock.
 _RAY_INIT_LOCK = threading.Lock()
+# The watchdog (`asyncrl.reaper`) of a process that starts a local Ray: one per process, as
+# Ray is, and held for the process's life (its stdin closing is what tells it the process is
+# gone: a collected handle would close it early).
+_WATCHDOG: dict[str, Any] = {}
 
 
 def ray_env(address: str | None = None) -> None:
@@ -129,6 +133,7 @@ def _init_ray(address: str | None) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     _ray_loopback()
+    _start_watchdog()
     # Rollout workers take no CPU reservation: they are I/O-bound clients of the engines,
     # and a 2-core laptop must still fit several of them.
     cpus = max(2, os.cpu_count() or 2)
@@ -147,6 +152,16 @@ def _init_ray(address: str | None) -> None:
     node_ip = ray.util.get_node_ip_address()
     if node_ip != "127.0.0.1":
         log.warning("Ray's local node is on %s: its servers listen beyond loopback", node_ip)
+
+
+def _start_watchdog() -> None:
+    """Start this process's `asyncrl.reaper` unless it runs: what a local Ray starts must not
+    outlive a driver killed without cleaning up (`kill -9`)."""
+    from asyncrl import reaper
+
+    proc = _WATCHDOG.get("proc")
+    if proc is None or proc.poll() is not None:
+        _WATCHDOG["proc"] = reaper.start()
 
 
 def exit_on_signal(signum: int, frame: object) -> None:
