@@ -43,6 +43,13 @@ def test_bench_transport_smoke(tmp_path):
     _finite_headline(result)
     assert [r["tokens"] for r in result["rows"]] == [1024, 4096, 16384]
     assert all(r["codec_zmq"]["groups_per_s"] > 0 for r in result["rows"])
+    # the target: per shipped recipe, the transport's CPU against the engine's generation time
+    recipes = result["per_recipe"]["rows"]
+    assert {r["recipe"] for r in recipes} >= {
+        "default.yaml",
+        "qwen2.5-7b-math-sglang-megatron.yaml",
+    }
+    assert all(0 < r["ratio"] < 1 for r in recipes) and "vs_raw_zmq" not in result["targets"]
 
 
 def test_bench_codec_choice_smoke():
