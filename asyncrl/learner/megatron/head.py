@@ -8,7 +8,9 @@ stage's output layer passes its input through (`pass_hidden`: GPTModel then retu
 hidden states [B, S, H]); the response positions are picked from them and `_VocabParallelScore`
 projects them `chunk` tokens at a time, keeping per token only its logsumexp and entropy. The
 backward recomputes each chunk's logits from the saved hidden states and the weight. Peak
-extra memory: ~2-3 [chunk x V/TP] fp32 tensors and one fp32 [V/TP x H] gradient accumulator.
+extra memory: ~2-3 [chunk x V/TP] fp32 tensors (`chunked.chunk_tokens`: ~64 MB each on the CPU,
+~512 MB on an accelerator) and one fp32 [V/TP x H] gradient accumulator (on an accelerator the
+weight-gradient matmuls run in the weight's bf16/fp16, as ColumnParallelLinear's do).
 
 The arithmetic is the old path's (`logits.token_logprobs`, Megatron's
 `vocab_parallel_cross_entropy`): z = h @ W_local.T in the weight's dtype, cast to fp32, divided by
@@ -37,15 +39,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from asyncrl.learner.chunked import CHUNK_BYTES, chunk_tokens
+from asyncrl.learner.chunked import chunk_tokens
 from asyncrl.learner.megatron.batch import cp_positions, entropy_from_partials
 from asyncrl.learner.megatron.weights import unwrap
 
 log = logging.getLogger(__name__)
 
-#: fp32 bytes of one chunk's [tokens x V/TP] logits (a module constant: the CPU emulation sets
-#: it small so that its tiny batches span several chunks).
-chunk_bytes = CHUNK_BYTES
+#: fp32 bytes of one chunk's [tokens x V/TP] logits; None: `chunked.chunk_tokens`'s default for
+#: the device (a module setting: the CPU emulation sets it small so that its tiny batches span
+#: several chunks).
+chunk_bytes: int | None = None
 
 
 # -- the model side: the last stage returns its final hidden states --------------------------
@@ -126,7 +129,7 @@ def response_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
     cp = ps.get_context_parallel_world_size()
     rows, cols, local = _owned(resp_index, hidden.shape[1], cp, ps.get_context_parallel_rank())
-    step = chunk_tokens(weight.shape[0], chunk_bytes)
+    step = chunk_tokens(weight.shape[0], chunk_bytes, weight.device)
     lp, ent = _VocabParallelScore.apply(
         hidden[rows, local], weight, labels[rows, local], temperature, vocab_size, entropy, step
     )
@@ -172,6 +175,13 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.
     divided by the temperature (in place) when it is > 0."""
     z = F.linear(h.to(weight.dtype), weight).to(torch.promote_types(weight.dtype, torch.float32))
     return z.div_(temperature) if temperature > 0 else z
+
+
+def _low_precision_matmuls(weight: torch.Tensor) -> bool:
+    """Whether the weight-gradient matmuls run in the weight's bf16/fp16 (an accelerator's
+    matrix units, as ColumnParallelLinear's backward and `chunked` do; summed in fp32); on the
+    CPU they run in fp32."""
+    return weight.device.type != "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def _reduce(t: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -248,7 +258,9 @@ class _VocabParallelScore(torch.autograd.Function):
             dz = dz.to(weight.dtype)  # as the backward of the old path's `.float()` casts it
             if want_h:
                 grad_h[s : s + chunk] = dz @ w
-            if want_w:
+            if want_w and _low_precision_matmuls(weight):
+                grad_w[:valid] += dz.t() @ h.to(weight.dtype)
+            elif want_w:
                 grad_w[:valid].addmm_(dz.t().to(acc), h.to(acc))
         if want_h:  # h is replicated over TP: its gradient is every rank's share summed
             grad_h = _reduce(grad_h, group)
