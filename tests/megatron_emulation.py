@@ -89,6 +89,8 @@ def apply() -> None:
 def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out: str) -> None:
     apply()
     sys.path.insert(0, str(HERE / "gpu"))
+    sys.path.insert(0, str(HERE))
+    import megatron_head_check as hc
     import test_megatron_gpu as g
 
     from asyncrl.device import SPECS
@@ -107,8 +109,11 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
         setattr(cfg.actor_train.training_args, key, value)
     worker = MegatronWorker(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
                             rank=rank, world_size=world, init_method=init, device=SPECS["cpu"])  # fmt: skip
+    hc.small_chunks(worker)  # the whole run's scores span several chunks
     batch = g.groups()
     lp = worker.logprobs(batch)
+    head = hc.compare(worker, batch)  # the chunked head against the full logits
+    head_fallbacks = hc.fallbacks(worker)
     metrics = worker.step(batch)
     steps = worker.lr_step  # its optimizer steps on this rollout, against the plan's
     weights = {n: t.float().clone() for n, t in worker.export()}
@@ -121,7 +126,8 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
     worker.load_hf({name: initial(name) for name in initial.where})
     reloaded = worker.logprobs(batch)
     torch.save({"lp": lp, "metrics": metrics, "weights": weights, "reloaded": reloaded,
-                "resumed": resumed, "steps": [planned_steps(cfg, batch), steps]},
+                "resumed": resumed, "steps": [planned_steps(cfg, batch), steps], "head": head,
+                "head_fallbacks": head_fallbacks},
                f"{out}/rank{rank}.pt")  # fmt: skip
 
 
@@ -244,6 +250,7 @@ def tiny_variant(src: Path, dst: Path, vocab: int | None, tied: bool) -> Path:
 def main() -> None:
     sys.path.insert(0, str(HERE / "gpu"))
     import test_megatron_gpu as g
+    from megatron_head_check import worst
 
     from asyncrl.learner.collate import collate
     from asyncrl.learner.logprobs import token_logprobs
@@ -301,6 +308,10 @@ def main() -> None:
         # [planned, taken] per rank, and the torch learner's real optimizer steps
         "optimizer_steps": [r["steps"] for r in ranks],
         "torch_optimizer_steps": len(ref_steps),
+        # per temperature, the largest difference over the ranks (logprob and entropy: the
+        # last stage's) between the chunked head and the full-logits path
+        "head": worst([r["head"] for r in ranks]),
+        "head_fallbacks": ranks[-1]["head_fallbacks"],  # the last rank: a last stage
     }
     out_json.write_text(json.dumps(result))
 

@@ -163,6 +163,7 @@ def test_megatron_modules_import_without_megatron():
         "import asyncrl.learner.megatron.learner, asyncrl.learner.megatron.worker\n"
         "import asyncrl.learner.megatron.build, asyncrl.learner.megatron.weights\n"
         "import asyncrl.learner.megatron.context, asyncrl.learner.megatron.logits\n"
+        "import asyncrl.learner.megatron.head\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'megatron']\n"
         "sys.modules['megatron'] = None  # as if megatron-core were not installed\n"
         "from asyncrl.learner.megatron.learner import require_megatron\n"

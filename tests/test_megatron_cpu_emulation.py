@@ -6,7 +6,10 @@ parallel (Megatron's load-balanced 2·CP split, asyncrl's all-gather CP attentio
 spec; with DP and the distributed optimizer, with PP and the distributed optimizer, and with
 TP), virtual pipeline stages (the interleaved schedule, also with dead micro-batches) and CP, PP
 and VPP at once (with the KL reference). Every case also loads checkpoint weights back (per
-chunk) and checks they score as before. Megatron's CUDA-only calls are redirected
+chunk) and checks they score as before, and compares the learner's output layer (response
+positions only, a chunk of tokens at a time, vocab-parallel) with the full logits of every
+position: logprobs, entropy and every parameter's gradient, at T > 0 and T = 0
+(tests/megatron_head_check.py). Megatron's CUDA-only calls are redirected
 (tests/megatron_emulation.py); skipped when megatron-core is not installed. The default suite
 runs `QUICK`, the rest are `slow`. The GPU runs live in tests/gpu/.
 """
@@ -90,6 +93,33 @@ def test_two_ranks_match_the_torch_learner(tmp_path, tiny_model, case):
         assert taken == planned == result["torch_optimizer_steps"]
     assert "model.embed_tokens.weight" in result["exported"]
     assert ("lm_head.weight" in result["exported"]) == (pp == 2)  # tied when pp == 1
+    # the output layer at the response positions, in chunks, vocab-parallel, against the full
+    # logits of every position (tests/megatron_head_check.py), at T > 0 and T = 0
+    assert sorted(result["head"]) == ["0.0", "0.7"]
+    for temperature, diff in result["head"].items():
+        for key in ("logprob", "entropy", "grad"):
+            assert diff[key] < 1e-5, (temperature, key, diff)
+        assert diff["grad_scale"] > 0.1  # the gradients compared are not all zero
+    reasons = result["head_fallbacks"]
+    assert reasons.pop("as built") is None  # this model is projected in chunks
+    assert all(reasons.values()), reasons  # where it could not be, the full logits stay
+
+
+@pytest.mark.slow
+def test_a_step_at_a_large_vocabulary_holds_no_tokens_by_vocabulary_logits(tmp_path, tiny_model):
+    """Peak host memory of one step at a 151,936-token vocabulary and 1,056 positions (one
+    [tokens x vocabulary] fp32 tensor: 642 MB): the chunked output layer's stays below one such
+    tensor, the full-logits path's holds several."""
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(HERE / "megatron_head_memory.py"), str(tiny_model), str(out)]
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    one = result["tokens_x_vocab_fp32_bytes"]
+    assert result["chunked_step_peak_bytes"] < one / 2, result
+    assert result["full_logits_step_peak_bytes"] > 2 * one, result
 
 
 @pytest.mark.slow

@@ -59,6 +59,28 @@ def gather_positions(local: torch.Tensor) -> torch.Tensor:
     return gathered.index_select(1, torch.argsort(order))
 
 
+class _SumOwned(torch.autograd.Function):
+    """All-reduce SUM over the CP group of values each rank fills only where it owns them;
+    backward: the incoming gradient as is (each rank's own copy of the whole loss reaches the
+    entries it owns, as `_Gather` without `reduce` does)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=cp_group())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def sum_owned(local: torch.Tensor) -> torch.Tensor:
+    """[B, R] values this CP rank computed where it holds the position (0 elsewhere) -> the
+    whole [B, R] on every CP rank (backward: see `_SumOwned`)."""
+    return _SumOwned.apply(local)
+
+
 class ContextParallelAttention(torch.nn.Module):
     """Causal core attention for Megatron's local layer spec under CP (constructor and forward
     signatures of `megatron.core.transformer.dot_product_attention.DotProductAttention`).

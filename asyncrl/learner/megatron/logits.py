@@ -2,6 +2,11 @@
 this CP rank's positions only under context parallelism: those are gathered back to whole
 sequences before the response tokens are picked, so the loss sees exactly what it sees without
 CP). Megatron is imported inside the functions only.
+
+The full-logits path: every position's [B, S', V/TP] logits. The learner takes it only for a
+model whose output layer `head.pass_hidden` cannot take over (`head.unsupported` says why, in
+one log line); every other model is scored by `head.response_logprobs`, at the response
+positions only, a chunk of tokens at a time. The tests compare the two.
 """
 
 from __future__ import annotations

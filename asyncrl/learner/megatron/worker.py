@@ -5,17 +5,18 @@ GPTModel on Megatron's local layer spec (or Transformer Engine's) with HF weight
 shard by shard -> Float16Module (bf16/fp16) -> DistributedDataParallel -> Megatron optimizer.
 With Megatron-Bridge installed (and `use_bridge` not false) `AutoBridge` builds and converts.
 
-Step: the same as the torch learner (`asyncrl.learner.objective`), with logprobs from
-vocab-parallel cross-entropy over `logits / temperature` and Megatron's pipeline schedule
+Step: the same as the torch learner (`asyncrl.learner.objective`), with the logprobs of the
+response tokens from the last stage's hidden states, projected to the vocabulary shard at the
+response positions only, a chunk of tokens at a time (`head`), and Megatron's pipeline schedule
 driving micro-batches. Every rank collates the whole batch and computes its batch-level
 advantages (REINFORCE++) before rows are split over data-parallel ranks; the proximal (and
 reference) logprobs of the whole batch are gathered so IS, rejection and batch normalisation
 see the batch.
 
 Context parallel: each row is split along the sequence (Megatron's load-balanced 2·CP chunks,
-`get_batch_on_this_cp_rank`); per-position logprobs and entropy are gathered back to whole
-sequences before the response tokens are picked, so the loss and its aggregation are exactly
-those without CP. Virtual pipeline: the model is a list of chunks and Megatron's interleaved
+`get_batch_on_this_cp_rank`); each CP rank scores the response tokens it holds and the
+[B, R] values are summed over the CP group, so the loss and its aggregation are exactly those
+without CP. Virtual pipeline: the model is a list of chunks and Megatron's interleaved
 schedule runs them; the micro-batch count is made a multiple of PP (dead micro-batches weigh 0).
 """
 
@@ -47,6 +48,7 @@ from asyncrl.learner.megatron.build import (
     wrap,
 )
 from asyncrl.learner.megatron.compat import split_for_cp_rank
+from asyncrl.learner.megatron.head import head_weight, pass_hidden, response_logprobs
 from asyncrl.learner.megatron.logits import token_logprobs
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.reference import megatron_reference
@@ -128,9 +130,14 @@ class MegatronWorker:
         return self.chunks[0]
 
     def _build(self, path: Path, trainable: bool) -> Built:
+        """The model chunks, the last stage's returning its final hidden states where the
+        output layer can be projected at the response positions only (`head.pass_hidden`)."""
         if self.auto_bridge is not None:
-            return build_with_bridge(self.auto_bridge, self.plan, self.sc, path, trainable)
-        return build_builtin(self.plan, self.shape, path, self.device, trainable)
+            built = build_with_bridge(self.auto_bridge, self.plan, self.sc, path, trainable)
+        else:
+            built = build_builtin(self.plan, self.shape, path, self.device, trainable)
+        pass_hidden(built.chunks)
+        return built
 
     # -- parallel helpers --------------------------------------------------------------------
     def _ranks(self) -> tuple[int, int, bool]:
@@ -155,9 +162,16 @@ class MegatronWorker:
         return out[torch.cat(keep).to(out.device)]
 
     # -- logprobs ---------------------------------------------------------------------------
-    def _token_logprobs(self, logits: torch.Tensor, data: dict, idx: torch.Tensor, entropy: bool):
-        return token_logprobs(logits, data["labels"][idx], data["resp_index"][idx],
-                              self.temperature, self.vocab_size, entropy)  # fmt: skip
+    def _token_logprobs(self, output: torch.Tensor, weight: torch.Tensor | None, data: dict,
+                        idx: torch.Tensor, entropy: bool):  # fmt: skip
+        """The response tokens' logprobs (and entropy) from the last stage's `output`: its final
+        hidden states projected by `weight` in chunks (`head`), or, where the model returns
+        logits (weight None), those."""
+        labels, resp = data["labels"][idx], data["resp_index"][idx]
+        if weight is not None:
+            return response_logprobs(output, weight, labels, resp, self.temperature,
+                                     self.vocab_size, entropy)  # fmt: skip
+        return token_logprobs(output, labels, resp, self.temperature, self.vocab_size, entropy)
 
     def _micro(self, rows: torch.Tensor, size: int, filler: torch.Tensor) -> list[tuple]:
         """(rows, live) micro-batches; as many as Megatron's interleaved schedule needs (a
@@ -167,14 +181,15 @@ class MegatronWorker:
 
     def _run(self, model: list, data, micro, loss_of, forward_only: bool) -> list:
         """Megatron's schedule over `micro` ((row indices, live) pairs) on the model chunks;
-        loss_of(micro, logits). Every chunk reads the micro-batches in the same order."""
+        loss_of(micro, head weight, output) (see `_token_logprobs`). Every chunk reads the
+        micro-batches in the same order."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, module):
             item = next(data_iterator)
             idx = item[0]
             out = module(data["tokens"][idx], data["position_ids"][idx], None)
-            return out, partial(loss_of, item)
+            return out, partial(loss_of, item, head_weight(module))
 
         iters = [iter(micro) for _ in model]
         return get_forward_backward_func()(
@@ -193,9 +208,9 @@ class MegatronWorker:
         mine = shard_rows(rows, dp, dp_rank).to(dev)
         micro = self._micro(mine, batch_size, torch.zeros(1, dtype=torch.long, device=dev))
 
-        def loss_of(item, logits):
-            lp, _ = self._token_logprobs(logits, data, item[0], entropy=False)
-            return logits.new_zeros(()), {"logprobs": lp, "live": item[1]}
+        def loss_of(item, weight, output):
+            lp, _ = self._token_logprobs(output, weight, data, item[0], entropy=False)
+            return output.new_zeros(()), {"logprobs": lp, "live": item[1]}
 
         for chunk in model:
             chunk.eval()
@@ -308,10 +323,10 @@ class MegatronWorker:
         metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         return metrics
 
-    def _micro_loss(self, data, prep, totals, scale, item, logits):
+    def _micro_loss(self, data, prep, totals, scale, item, weight, output):
         actor = self.actor
         idx, live = item
-        lp, ent = self._token_logprobs(logits, data, idx, entropy=True)  # logged every step
+        lp, ent = self._token_logprobs(output, weight, data, idx, entropy=True)  # logged each step
         if actor.entropy_coeff == 0:
             ent = ent.detach()  # a metric only: no graph kept for it
         rows = {k: prep[k][idx] if prep[k] is not None else None for k in ("old", "weights", "ref")}
