@@ -100,11 +100,44 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return z.div_(temperature) if temperature > 0 else z
 
 
-def _tensor_cores(weight: torch.Tensor) -> bool:
+def tensor_cores(weight: torch.Tensor) -> bool:
     """Whether the head's gradient matmuls run in its own low precision (an accelerator's
     matrix units; fp32 inputs would take its far slower fp32 path), as autograd's backward of
     the plain path does; on the CPU they run in fp32."""
     return weight.device.type != "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def logit_grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    owned: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One chunk's gradient wrt its fp32 logits `z` (before the temperature; `z` is consumed):
+    dz = g_logp * (onehot - p) - g_ent * p * (z - E[z]), p = exp(z - lse), E[z] = lse - ent,
+    divided by T when it is > 0. `owned` (a vocabulary shard's): 1.0 where the target is in
+    this shard's columns (`targets` then index the shard), 0.0 elsewhere."""
+    p = (z - lse[:, None]).exp_()
+    gl = g_logp[:, None]
+    if g_ent is not None:
+        dz = z.sub_((lse - ent)[:, None]).mul_(g_ent[:, None]).add_(gl).mul_(p).neg_()
+    else:
+        dz = p.mul_(gl).neg_()
+    dz.scatter_add_(-1, targets[:, None], gl if owned is None else gl * owned[:, None])
+    return dz.div_(temperature) if temperature > 0 else dz
+
+
+def add_weight_grad(grad_w: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (fp32 or fp64) += dz.T @ h: a `tensor_cores` matmul in dz's dtype (the weight's)
+    where that applies, else in grad_w's dtype with no copy of the product."""
+    if tensor_cores(dz):
+        grad_w += dz.t() @ h.to(dz.dtype)
+    else:
+        grad_w.addmm_(dz.t().to(grad_w.dtype), h.to(grad_w.dtype))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -151,28 +184,15 @@ class _ChunkedScore(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
+            h, rows = hidden[s : s + chunk], slice(s, s + chunk)
+            ge = g_ent[rows].to(acc) if use_ent else None
             z = _chunk_logits(h, weight, bias, t)
-            p = (z - lse[s : s + chunk, None]).exp_()
-            gl = g_logp[s : s + chunk, None]
-            # dz = gl * (onehot - p) - ge * p * (z - E[z]), E[z] = lse - entropy
-            if use_ent:
-                ge = g_ent[s : s + chunk, None].to(acc)
-                mean_z = (lse - ent)[s : s + chunk, None]
-                dz = z.sub_(mean_z).mul_(ge).add_(gl).mul_(p).neg_()
-            else:
-                dz = p.mul_(gl).neg_()
-            dz.scatter_add_(-1, targets[s : s + chunk, None], gl)
-            if t > 0:
-                dz.div_(t)
-            del z, p
+            dz = logit_grad(z, lse[rows], ent[rows], g_logp[rows], ge, targets[rows], t)
             dz = dz.to(weight.dtype)  # as autograd's backward of `.float()` casts it
             if want_h:
-                grad_h[s : s + chunk] = dz @ weight
-            if want_w and _tensor_cores(weight):  # a bf16/fp16 matmul, summed in fp32
-                grad_w += dz.t() @ h
-            elif want_w:
-                grad_w.addmm_(dz.t().to(acc), h.to(acc))  # no copy in fp32
+                grad_h[rows] = dz @ weight
+            if want_w:
+                add_weight_grad(grad_w, dz, h)
             if want_b:
                 grad_b += dz.to(acc).sum(0)
         grad_w = grad_w.to(weight.dtype) if want_w else None

@@ -25,7 +25,7 @@ def test_bf16_head_on_cuda_equals_the_plain_path(chunk):
     targets = torch.randint(0, 32_000, (2, 600), **kw)
     g_lp, g_ent = torch.randn(2, 600, **kw), torch.randn(2, 600, **kw)
     proj = chunked.Projection(hidden, weight)
-    assert chunked._tensor_cores(weight)
+    assert chunked.tensor_cores(weight)
     got = chunked.token_logprobs(proj, targets, 0.7, True, chunk=chunk)
     want = _plain(hidden, weight, None, targets, 0.7)
     for a, b in zip(got, want, strict=True):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from asyncrl.learner.chunked import chunk_tokens
+from asyncrl.learner.chunked import add_weight_grad, chunk_tokens, logit_grad
 from asyncrl.learner.megatron.batch import cp_positions, entropy_from_partials
 from asyncrl.learner.megatron.weights import unwrap
 
@@ -177,13 +177,6 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.
     return z.div_(temperature) if temperature > 0 else z
 
 
-def _low_precision_matmuls(weight: torch.Tensor) -> bool:
-    """Whether the weight-gradient matmuls run in the weight's bf16/fp16 (an accelerator's
-    matrix units, as ColumnParallelLinear's backward and `chunked` do; summed in fp32); on the
-    CPU they run in fp32."""
-    return weight.device.type != "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-
-
 def _reduce(t: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -240,28 +233,17 @@ class _VocabParallelScore(torch.autograd.Function):
         # fp32 sums over the chunks; the padded rows' gradient stays 0
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         for s in range(0, hidden.shape[0] if valid else 0, chunk):
-            h = hidden[s : s + chunk]
+            h, rows = hidden[s : s + chunk], slice(s, s + chunk)
+            ge = g_ent[rows].to(acc) if use_ent else None
             z = _logits(h, w, t)
-            p = (z - lse[s : s + chunk, None]).exp_()
-            gl = g_logp[s : s + chunk, None]
-            # dz = gl * (onehot - p) - ge * p * (z - E[z]), E[z] = lse - entropy
-            if use_ent:
-                ge = g_ent[s : s + chunk, None].to(acc)
-                mean_z = (lse - ent)[s : s + chunk, None]
-                dz = z.sub_(mean_z).mul_(ge).add_(gl).mul_(p).neg_()
-            else:
-                dz = p.mul_(gl).neg_()
-            dz.scatter_add_(-1, local_t[s : s + chunk, None], gl * owned[s : s + chunk, None])
-            if t > 0:
-                dz.div_(t)
-            del z, p
+            dz = logit_grad(
+                z, lse[rows], ent[rows], g_logp[rows], ge, local_t[rows], t, owned[rows]
+            )
             dz = dz.to(weight.dtype)  # as the backward of the old path's `.float()` casts it
             if want_h:
-                grad_h[s : s + chunk] = dz @ w
-            if want_w and _low_precision_matmuls(weight):
-                grad_w[:valid] += dz.t() @ h.to(weight.dtype)
-            elif want_w:
-                grad_w[:valid].addmm_(dz.t().to(acc), h.to(acc))
+                grad_h[rows] = dz @ w
+            if want_w:
+                add_weight_grad(grad_w[:valid], dz, h)
         if want_h:  # h is replicated over TP: its gradient is every rank's share summed
             grad_h = _reduce(grad_h, group)
         grad_w = grad_w.to(weight.dtype) if want_w else None
