@@ -47,8 +47,8 @@ capacity is the smaller. The bound itself (`max_staleness`) may move while the r
 (`async.max_staleness: auto`, `staleness_control.py`): the budget follows it at once.
 
 Thread-safe: one lock (re-entrant, so the replay queue shares it and calls in while holding it).
-A payload is a plain dict describing the prompt, with its key under ``"key"``; replay never
-looks further inside it.
+A payload is a plain dict describing the prompt, with its key under ``"key"``; replay looks
+further inside it only for a token budget's charge (its ``"prompt_ids"``, `TokenBudget.estimate`).
 """
 
 from __future__ import annotations

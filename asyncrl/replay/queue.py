@@ -74,8 +74,8 @@ class ReplayConfig:
     tokens: TokenBudget | None = None
     """A bound on the tokens in flight and buffered (`tokens.py`); None: groups only."""
     control: ControlSettings | None = None
-    """The adaptive bound's settings (`staleness_control.py`): `max_staleness` is then only
-    where the bound starts, and `control.hard` must equal `max_staleness_hard`."""
+    """The adaptive bound's settings (`staleness_control.py`): the bound starts at
+    `control.start`; `control.hard` must equal `max_staleness_hard` (>= max_staleness)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "filters", tuple(self.filters))
