@@ -192,11 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     heads = {f"{r['policy']}_length_ratio": headline(r["length_ratio"], True, "")
              for r in sim if r["length_ratio"] == r["length_ratio"]}  # fmt: skip
-    for r in bounds:
-        if "vs_best_fixed" in r:  # the token-budget and auto rows
-            name = r["row"].replace(" ", "_").replace("(", "").replace(")", "")
-            heads[f"{name}_vs_best_fixed"] = headline(r["vs_best_fixed"], True, "")
-            met[r["row"]] = r["met"]
+    # Part 3's ratios are one run against one run on a timed simulation (CPU contention moves
+    # them by tens of %): recorded under `bounds` and `met`, not as headline figures.
+    met.update({r["row"]: r["met"] for r in bounds if "met" in r})
     result = {
         "calibration": asdict(LONG_TAIL), "workload": asdict(work), "simulated": sim,
         "bounds": bounds, "real": real, "ratios": ratios, "met": met, "headline": heads,
