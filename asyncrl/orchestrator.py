@@ -302,6 +302,17 @@ class Orchestrator:
         else:
             self.queue.set_version(version)
 
+    def steer_staleness(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """With `async.max_staleness: auto`, the learner's step `metrics` move the bound
+        (`ReplayQueue.observe`; {} with a fixed one). A change is printed in one line with its
+        reason; `replay/staleness_change` records it."""
+        decision = self.queue.observe(metrics)
+        if decision is None:
+            return {}
+        if decision.change:
+            print(f"asyncrl: step {step}: {decision.reason}")
+        return {f"replay/{k}": v for k, v in decision.metrics().items()}
+
     def _healed(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         try:
             return sync()

@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncrl.checkpoint import Checkpointer, Loaded, load_contents
 from asyncrl.config import Config, derive_plan, to_dict
+from asyncrl.config.async_checks import max_response_tokens
 from asyncrl.config.plan import check_resumed_plan, schedule_record
 from asyncrl.data.prompts import PromptSource
 from asyncrl.learner.base import Learner, make_learner
@@ -32,6 +33,8 @@ from asyncrl.orchestrator import resolve_model
 from asyncrl.preflight import check_machine
 from asyncrl.replay.filters import dapo_zero_variance
 from asyncrl.replay.queue import ReplayConfig, ReplayQueue
+from asyncrl.replay.staleness_control import ControlSettings
+from asyncrl.replay.tokens import TokenBudget
 from asyncrl.rollout.evaluation import Evaluator
 from asyncrl.startup import WorkerStart, launch_engines, start_rollout
 from asyncrl.threads import DriverThreads, ThreadBudget, ThreadShare
@@ -97,6 +100,7 @@ def train(
                 overlap = not evaluating and step < cfg.max_steps  # the next step trains meanwhile
                 metrics.update(rollout.sync_weights(overlap, evaluating))  # (weight_sync.overlap)
                 metrics["learner/eval_wait_seconds"] = blocked
+            metrics.update(rollout.steer_staleness(step, metrics))  # max_staleness: auto
             rollout.open_admission(learner.version)  # overlapped: once the engines hold it
             metrics.update(batch_metrics(groups, learner.version, idle))
             metrics.update(rollout.metrics() | evaluator.metrics())
@@ -117,13 +121,24 @@ def train(
 
 
 def make_queue(cfg: Config) -> ReplayQueue:
-    """The replay queue of the run: staleness bound, stale policy, filters."""
+    """The replay queue of the run: staleness bound (fixed, or adaptive: `auto`), stale
+    policy, token budget, filters."""
     filters = (dapo_zero_variance,) if cfg.algorithm.filter_zero_variance_groups else ()
     a = cfg.async_
+    control = None
+    if a.max_staleness == "auto":  # the controller's own defaults, as the docstring says
+        control = ControlSettings(a.max_staleness_hard, a.target_ess)
+    tokens = None
+    if a.max_inflight_tokens:
+        tokens = TokenBudget(
+            a.max_inflight_tokens, cfg.num_return_sequences_in_group, cfg.prompt_length,
+            max_response_tokens(cfg),
+        )  # fmt: skip
+    start = a.max_staleness if control is None else min(control.start, control.hard)
     return ReplayQueue(
         ReplayConfig(
-            a.max_staleness, cfg.rollout_batch_size, filters=filters,
-            stale_policy=a.stale_policy, max_staleness_hard=a.max_staleness_hard,
+            start, cfg.rollout_batch_size, filters=filters, stale_policy=a.stale_policy,
+            max_staleness_hard=a.max_staleness_hard, tokens=tokens, control=control,
         )
     )  # fmt: skip
 

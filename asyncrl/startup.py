@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, derive_plan
-from asyncrl.config.async_checks import pause_mode
+from asyncrl.config.async_checks import pause_mode, staleness_ceiling
 from asyncrl.data.prompts import PromptSource
 from asyncrl.data.tokenizer import tokenizer_class_name
 from asyncrl.learner.base import Learner
@@ -247,8 +247,8 @@ def heldout_items(cfg: Config, prompts: PromptSource) -> list[Any]:
 
 def overlap_sync(cfg: Config) -> bool:
     """`weight_sync.overlap` for this run: auto overlaps for a one-process torch learner on
-    the CPU (the weights' copy is host memory) at `max_staleness` >= 2, unless `stale_policy:
-    wait`. At max_staleness 1 a version's prompts can start only once its sync lands, so an
+    the CPU (the weights' copy is host memory) at `max_staleness` >= 2 (auto: its ceiling,
+    max_staleness_hard), unless `stale_policy: wait`. At max_staleness 1 a version's prompts can start only once its sync lands, so an
     overlapped sync leaves the engines less time for the next batch (measured on the CPU
     default: 51-54 ms a step against 47-49 waiting for every sync; at 2: 49 against 58)."""
     from asyncrl.device import detect_device, worker_device
@@ -259,7 +259,7 @@ def overlap_sync(cfg: Config) -> bool:
     where = worker_device(list(train.device_mapping), detect_device().kind)
     torch_learner = train.strategy_args.strategy_name == "fsdp2_train"
     one = derive_plan(cfg).world_size == 1 and torch_learner and where == "cpu"
-    return one and cfg.async_.max_staleness >= 2 and cfg.async_.stale_policy != "wait"
+    return one and staleness_ceiling(cfg) >= 2 and cfg.async_.stale_policy != "wait"
 
 
 def stop_later(stack: ExitStack, stop: Callable[[], object]) -> None:

@@ -33,6 +33,7 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from asyncrl.transport.zmq import Receiver, ReceiverConfig
 from asyncrl.types import TrajectoryGroup
 
 TARGET_UTIL, TARGET_MS = 0.95, 1.0
+#: `run_cluster`'s per-step hook: the batch the learner trained and its version then.
+Observe = Callable[[list[TrajectoryGroup], int], None]
 POOL = 1 << 20  # pre-drawn random tokens / logprobs, sliced into responses
 
 
@@ -194,15 +197,24 @@ def simulate(actors: int, cal: Calibration, work: Workload, seed: int = 0) -> di
 
 
 def run_cluster(
-    replay: ReplayQueue, actors: int, cal: Calibration, work: Workload, seed: int = 0
+    replay: ReplayQueue,
+    actors: int,
+    cal: Calibration,
+    work: Workload,
+    seed: int = 0,
+    observe: Observe | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """The real queue, dispatcher, transport and pump around `actors` simulated engines and a
-    simulated learner; one record per learner step (stopped early at `work.max_wall_s`)."""
+    simulated learner; one record per learner step (stopped early at `work.max_wall_s`).
+    `observe(groups, version)`: called with each batch as the learner trains it (the adaptive
+    bound's hook); `prompt_ids`: what each prompt carries (default one token; a token budget
+    charges admitted prompts by their length)."""
     secret = secrets.token_bytes(32)  # as a run: every actor's connection proves it (PLAIN)
     receiver = Receiver(ReceiverConfig(hwm=1024, secret=secret))
     pool = SimPool(actors, cal, work, receiver.port, seed, secret)
-    counter = itertools.count()
-    next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=[0])  # noqa: E731
+    counter, ids = itertools.count(), prompt_ids or [0]
+    next_prompt = lambda: PromptItem(key=f"p{next(counter)}", prompt_ids=ids)  # noqa: E731
     dispatcher = Dispatcher(pool, replay, next_prompt, work.inflight)
     pump = GroupPump(receiver, replay).__enter__()  # the run's own pump thread
     dispatcher.start()
@@ -210,7 +222,7 @@ def run_cluster(
     threads = {"dispatcher": dispatcher._thread.native_id, "pump": pump._thread.native_id,
                "actors": pool.thread.native_id, "learner": threading.get_native_id()}  # fmt: skip
     try:
-        return _learn(replay, pool, dispatcher, receiver, cal, work, threads)
+        return _learn(replay, pool, dispatcher, receiver, cal, work, threads, observe)
     finally:
         replay.close()
         dispatcher.stop()
@@ -219,7 +231,9 @@ def run_cluster(
         receiver.close()
 
 
-def _learn(replay, pool, dispatcher, receiver, cal, work, threads) -> list[dict[str, Any]]:
+def _learn(
+    replay, pool, dispatcher, receiver, cal, work, threads, observe=None
+) -> list[dict[str, Any]]:
     """The simulated learner: take (timed: its idle), 'train' for tokens / its speed + the
     sync (sleep), bump the version. One record per step."""
     steps, version, began = [], 0, time.perf_counter()
@@ -233,6 +247,8 @@ def _learn(replay, pool, dispatcher, receiver, cal, work, threads) -> list[dict[
         got = time.perf_counter()
         tokens = sum(g.num_tokens for g in groups)
         time.sleep((tokens / cal.learner_tokens_per_s + cal.sync_s) / work.speedup)
+        if observe is not None:
+            observe(groups, version)
         version += 1
         pool.version = version
         replay.set_version(version)

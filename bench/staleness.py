@@ -13,9 +13,18 @@ Two parts, the same three policies (`async.stale_policy`):
    weights' normalised ESS by staleness (`is/ess_by_lag/<k>`, mean over the steps that trained
    lag-k sequences; the simulated part has no weights to report).
 
-Targets: correct keeps >= 0.95x the trained tokens/s of evict with a length ratio >= 0.95.
+3. Fixed bounds (0, 1, 2, 4), token budgets (`async.max_inflight_tokens`, 1x, 2x and 4x one batch
+   at its worst case, beside a group bound of 4) and the adaptive bound (`max_staleness: auto`,
+   under a slow- and a fast-moving policy's modelled IS ESS) on the simulated workload of part
+   1 (`_staleness_bounds.py`): tokens/s against the best fixed bound, peak buffered and held
+   tokens against the budget, the bound auto settles at, steps below the ESS target.
+
+Targets: correct keeps >= 0.95x the trained tokens/s of evict with a length ratio >= 0.95; a
+token budget and auto keep >= 0.95x the best fixed bound's (auto under the fast policy: the
+best fixed bound that keeps the ESS target), the budget never exceeded.
 
     asyncrl bench staleness [--smoke] [--policies evict,wait,correct] [--skip-real]
+                            [--skip-bounds]
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from _staleness_bounds import HEADERS, run_bounds, table_rows
 from common import finish, headline, make_parser, print_table
 from simulate import Calibration, Workload, run_cluster
 
@@ -137,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--actors", type=int, default=32)
     parser.add_argument("--real-steps", type=int, default=None, help="CPU default: steps")
-    parser.add_argument("--skip-real", action="store_true", help="the simulated part only")
+    parser.add_argument("--skip-real", action="store_true", help="the simulated parts only")
+    parser.add_argument("--skip-bounds", action="store_true", help="no part 3 (bounds, auto)")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     smoke = args.smoke
@@ -146,7 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     if smoke:
         work = replace(work, batch=8, steps=8, warmup=2, max_wall_s=8.0)
     sim = [simulate_policy(p, LONG_TAIL, work, 8 if smoke else args.actors) for p in policies]
-    _table_sim(sim)
+    if sim:
+        _table_sim(sim)
+    bounds: list[dict] = []
+    if not args.skip_bounds:  # longer: the adaptive bound moves one step per 4 learner steps
+        longer = replace(work, steps=40, warmup=8, max_wall_s=60.0)
+        longer = replace(work, steps=6, max_wall_s=5.0) if smoke else longer
+        bounds, vs_fixed = run_bounds(LONG_TAIL, longer, 8 if smoke else args.actors, smoke)
+        print_table("fixed bounds, token budgets, auto (simulated long tail; ESS modelled: "
+                    "fixed rows under the fast policy)", HEADERS, table_rows(bounds))  # fmt: skip
+        for row, c in vs_fixed.items():
+            if isinstance(c, dict):
+                verdict = "met" if c["met"] else "MISSED"
+                print(f"{row}: {c['ratio']:.3f}x the tokens/s of {c['reference']} ({verdict})")
     real: list[dict] = []
     if not args.skip_real:
         steps = args.real_steps or (2 if smoke else 20)
@@ -167,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             f"(target >= {TARGET_THROUGHPUT}), length ratio {by['correct']['length_ratio']:.3f} "
             f"vs {by['evict']['length_ratio']:.3f} (target >= {TARGET_RATIO})"
         )
+    heads = {f"{r['policy']}_length_ratio": headline(r["length_ratio"], True, "")
+             for r in sim if r["length_ratio"] == r["length_ratio"]}  # fmt: skip
+    # Part 3's ratios are one run against one run on a timed simulation (CPU contention moves
+    # them by tens of %): recorded under `bounds` and `met`, not as headline figures.
+    met.update({r["row"]: r["met"] for r in bounds if "met" in r})
     result = {
         "calibration": asdict(LONG_TAIL), "workload": asdict(work), "simulated": sim,
-        "real": real, "ratios": ratios, "met": met,
-        "headline": {f"{r['policy']}_length_ratio": headline(r["length_ratio"], True, "")
-                     for r in sim if r["length_ratio"] == r["length_ratio"]},
+        "bounds": bounds, "real": real, "ratios": ratios, "met": met, "headline": heads,
     }  # fmt: skip
     return finish("staleness", result, args, _plot(sim), argv)
 

@@ -4,7 +4,8 @@ Every *enumerated* config value is found here, not listed by hand: each `Literal
 schema (walked from `Config`, optional sections included), each name table `config validate`
 checks against (estimators, losses, aggregations, KL types, rejection criteria, strategies per
 role), every built-in environment and reward, and the loop's toggles (critic, reference,
-the KL loss, `async.max_staleness` 0/1/2). Each value is then classified on this machine:
+the KL loss, `async.max_staleness` 0/1/2/auto, `async.max_inflight_tokens` off/on). Each value
+is then classified on this machine:
 
 - refused by `config validate` (with its prerequisites set): it promises nothing;
 - refused by the start-up check (`asyncrl.preflight.check_machine`): it needs a package or a
@@ -32,6 +33,9 @@ from asyncrl.config import validate as names
 OFF = "<off>"
 TOGGLES = ("env", "critic", "reference", "actor.use_kl_loss", "algorithm.use_kl_in_reward")
 ON = "<on>"
+#: A token budget of about one batch at its worst case, so it binds: 2 prompts x 3 x (64 + 8)
+#: (`tests/test_capability_effects.py`'s base; the matrix's, with 6-token responses, needs 420).
+TOKEN_BUDGET = 432
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
 
 
@@ -92,7 +96,8 @@ def dimensions() -> list[Dimension]:
         Dimension("reference", (OFF, ON)),
         Dimension("actor.use_kl_loss", (False, True)),
         Dimension("algorithm.use_kl_in_reward", (False, True)),
-        Dimension("async.max_staleness", (0, 1, 2)),
+        Dimension("async.max_staleness", (0, 1, 2, "auto")),
+        Dimension("async.max_inflight_tokens", (0, TOKEN_BUDGET)),
         Dimension("actor_train.model_args.lora_rank", (0, 8)),
         Dimension("actor.use_dynamic_bsz", (False, True)),
         Dimension("actor.share_prompt_forward", (True, False)),
@@ -109,7 +114,8 @@ def dimensions() -> list[Dimension]:
     dims += [
         Dimension(f"{role}.strategy_args.strategy_name", names.STRATEGIES[role]) for role in ROLES
     ]
-    dims += list(literal_fields())
+    given = {d.path for d in dims}  # auto is max_staleness's Literal, enumerated above
+    dims += [d for d in literal_fields() if d.path not in given]
 
     # The toggles first; then what needs a particular estimator (critic settings: gae; the KL
     # penalty in the reward: reinforce_plus_plus), so they claim it before the estimator
@@ -155,6 +161,10 @@ def requirements(path: str, value: Any) -> dict[str, Any]:
         return {"actor_train.model_args.lora_rank": 8}
     if path == "actor.profiler.tool" and value == "torch":  # a trace of step 1
         return {"actor.profiler.enable": True, "actor.profiler.steps": "[1]"}
+    if path == "async.max_staleness" and value == "auto":  # steers by the IS weights' ESS
+        return {"algorithm.correction_mode": "decoupled"}
+    if path == "async.max_inflight_tokens" and value:  # sized for single-turn responses
+        return {"env": OFF}
     if path == "async.stale_policy" and value == "correct":  # IS that corrects a whole response
         return {"algorithm.rollout_is_level": AnyOf(("geometric", "sequence"))}
     if section == "reference" and path != "reference":

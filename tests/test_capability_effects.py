@@ -95,6 +95,8 @@ def overrides(path: str, value: Any, models: dict[str, str]) -> list[str]:
         needs["reference"] = cap.ON
     for key, want in needs.items():
         want = want[0] if isinstance(want, cap.AnyOf) else want
+        if key == "env" and want == cap.OFF:
+            continue  # single-turn: the default
         if key in ("critic", "reference"):
             if want == cap.ON:
                 model = models["policy" if key == "critic" else "other"]
@@ -199,3 +201,73 @@ def test_fixed_batch_has_what_the_values_need(models):
     rewards = [np.asarray(g.rewards) for g in groups]
     assert all(r.std() > 0 for r in rewards) and rewards[0].mean() != rewards[1].mean()
     assert len({int(n) for g in groups for n in g.response_lengths}) > 3
+
+
+# -- the replay side: the staleness bound and the token budget --------------------------------
+STALENESS = ("async.max_staleness", "async.max_inflight_tokens")
+LONG_PROMPT = list(range(30, 94))  # prompt_length (64) tokens: each prompt a worst case
+
+
+@pytest.fixture(scope="module")
+def stale_learner_metrics(models) -> list[dict[str, Any]]:
+    """Three steps of the run's learner on the fixed batch: sampled at its version (lag 0),
+    then one version behind it, twice (lag 1; rollout logprobs far from the policy's, so the
+    IS weights' ESS is well below 1)."""
+    from asyncrl.run import build_learner
+
+    cfg = load_config(None, overrides("async.max_staleness", "auto", models))
+    groups = fixed_groups(cfg, models["policy"])
+    learner = build_learner(cfg, Path(models["policy"]))
+
+    def sampled_at(version: int) -> list[Any]:
+        return [dataclasses.replace(g, versions=np.full_like(g.versions, version)) for g in groups]
+
+    try:
+        torch.manual_seed(0)
+        return [learner.step(sampled_at(max(0, learner.version - 1))) for _ in range(3)]
+    finally:
+        learner.close()
+
+
+def admission_fingerprint(cfg: Any, learner_metrics: list[dict[str, Any]]) -> tuple:
+    """What the run's replay queue (`run.make_queue`) does with `cfg`: prompts admitted at the
+    start, the bound after the learner's three steps, prompts admitted after that."""
+    from asyncrl.run import make_queue
+
+    q = make_queue(cfg)
+    keys = (f"p{i}" for i in itertools.count())
+
+    def admit() -> int:
+        n = 0
+        while (k := q.capacity()) > 0:  # as the dispatcher does: each prompt charged its own
+            batch = [next(keys) for _ in range(k)]
+            n += q.reserve(k, batch, [{"key": b, "prompt_ids": LONG_PROMPT} for b in batch])
+        return n
+
+    first = admit()
+    for metrics in learner_metrics:
+        q.observe(metrics)
+    return first, q.bound, admit()
+
+
+def test_staleness_and_token_budget_values_change_admission(models, stale_learner_metrics):
+    """Every value of `async.max_staleness` (0, 1, 2, auto) and of `async.max_inflight_tokens`
+    (off, on) makes the run's queue admit differently; auto moves its bound from the learner's
+    own `is/ess_by_lag` metrics (1 -> 0 here: lag 1's ESS misses the target twice)."""
+    assert any("is/ess_by_lag/1" in m for m in stale_learner_metrics)
+    seen = {}
+    for dim in (d for d in cap.dimensions() if d.path in STALENESS):
+        for value in dim.values:
+            extra = ["async.target_ess=0.99"] if value == "auto" else []
+            cfg = load_config(None, [*overrides(dim.path, value, models), *extra])
+            seen[(dim.path, value)] = admission_fingerprint(cfg, stale_learner_metrics)
+    assert seen[("async.max_staleness", 0)] == (2, 0, 0)  # one batch per version
+    assert seen[("async.max_staleness", 1)] == (4, 1, 0)
+    assert seen[("async.max_staleness", 2)] == (6, 2, 0)
+    assert seen[("async.max_staleness", "auto")] == (4, 0, 0)  # started at 1, tightened to 0
+    # one batch at its worst case (2 x 3 x (64 + 8)) holds 2 such prompts, not the bound's 4
+    assert seen[("async.max_inflight_tokens", cap.TOKEN_BUDGET)] == (2, 1, 0)
+    for path in STALENESS:
+        values = [v for (p, v) in seen if p == path]
+        for a, b in itertools.combinations(values, 2):
+            assert seen[(path, a)] != seen[(path, b)], (path, a, b, seen)

@@ -188,12 +188,19 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
         if choice.get("reference") == cap.ON:  # another model: the KL is not zero (k1 may be < 0)
             assert any(r["actor/kl_loss"] != 0 for r in rows), _seen(rows, "actor/kl_loss")
     bound = choice.get("async.max_staleness", 1)
+    if bound == "auto":  # the controller's bound, in [0, hard], fed by the IS ESS by lag
+        assert all(0 <= r["replay/staleness_bound"] <= 4 for r in rows), rows
+        assert all("replay/staleness_change" in r for r in rows)
+        bound = 4  # async.max_staleness_hard's default: the ceiling
+    else:
+        assert all(r["replay/staleness_bound"] == bound for r in rows)
     if choice.get("async.stale_policy") == "correct":  # trained past the bound, up to the cap
         bound = 4  # async.max_staleness_hard's default
         assert _finite(rows, "replay/over_bound")
     assert all(r["replay/staleness_max"] <= bound for r in rows), _seen(
         rows, "replay/staleness_max"
     )
+    check_token_budget(choice, rows)
     for name in choice.get("algorithm.rollout_rs", ()):
         assert _finite(rows, f"rejection/{name}_fraction")
     if choice.get("actor_train.model_args.lora_rank"):  # adapter-only syncs move far less
@@ -224,6 +231,19 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
     check_schedules(choice, rows)
     check_engine_tallies(choice, rows)
     check_dtypes(choice, rows)
+
+
+def check_token_budget(choice: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """A token budget holds the tokens in flight and buffered within it; without one, no
+    budget is reported (the buffered tokens are, always)."""
+    limit = choice.get("async.max_inflight_tokens")
+    assert all(r["replay/tokens_buffered_peak"] >= r["replay/tokens_buffered"] for r in rows)
+    if not limit:
+        assert not any("replay/token_budget" in r for r in rows)
+        return
+    assert all(r["replay/token_budget"] == limit for r in rows)
+    assert all(0 < r["replay/tokens_held_peak"] <= limit for r in rows), rows
+    assert all(r["replay/tokens_held"] <= limit for r in rows)
 
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -1,5 +1,6 @@
-"""Checks of the loop's asynchrony: what happens to stale groups (`async.stale_policy`), how
-engines take new weights mid-generation (`async.pause_mode`) and overlapped syncs
+"""Checks of the loop's asynchrony: what happens to stale groups (`async.stale_policy`), the
+adaptive bound (`async.max_staleness: auto`), the token budget (`async.max_inflight_tokens`),
+how engines take new weights mid-generation (`async.pause_mode`) and overlapped syncs
 (`weight_sync.overlap`). Each failure is one ConfigError line naming the key."""
 
 from __future__ import annotations
@@ -11,8 +12,64 @@ from asyncrl.config.schema import Config, ConfigError
 def check_async(cfg: Config) -> None:
     """Every check of this module, in order."""
     check_stale_policy(cfg)
+    check_auto_staleness(cfg)
+    check_token_budget(cfg)
     check_pause_mode(cfg)
     check_overlap(cfg)
+
+
+def staleness_ceiling(cfg: Config) -> int:
+    """The highest staleness bound the run may have: max_staleness, or with auto the
+    controller's ceiling max_staleness_hard."""
+    a = cfg.async_
+    return a.max_staleness_hard if a.max_staleness == "auto" else a.max_staleness
+
+
+def check_auto_staleness(cfg: Config) -> None:
+    """`max_staleness: auto` steers by the IS weights' ESS by lag, which the learner computes
+    only with rollout IS on and a recomputed proximal policy (bypass's weights are all 1)."""
+    a, alg = cfg.async_, cfg.algorithm
+    if a.max_staleness != "auto":
+        return
+    if a.max_staleness_hard < 1:
+        raise ConfigError(
+            "async.max_staleness: auto moves the bound between 0 and async.max_staleness_hard, "
+            f"which is {a.max_staleness_hard}: set it >= 1, or use max_staleness: 0"
+        )
+    if not 0.0 < a.target_ess <= 1.0:
+        raise ConfigError(f"async.target_ess must be in (0, 1], got {a.target_ess}")
+    if alg.rollout_is_threshold is None or alg.correction_mode == "bypass":
+        raise ConfigError(
+            "async.max_staleness: auto steers by the rollout IS weights' ESS by lag, which this "
+            "config does not compute: set algorithm.rollout_is_threshold and "
+            "algorithm.correction_mode: decoupled, or give max_staleness a number"
+        )
+
+
+def max_response_tokens(cfg: Config) -> int:
+    """Most tokens one response may reach: an episode's response_length, else max_new_tokens
+    (or response_length)."""
+    if cfg.env is not None:
+        return cfg.response_length
+    return cfg.actor_infer.generating_args.max_new_tokens or cfg.response_length
+
+
+def check_token_budget(cfg: Config) -> None:
+    """`max_inflight_tokens` below one batch's worst case could deadlock: the learner takes a
+    whole batch of buffered groups, all of them counted until taken."""
+    limit = cfg.async_.max_inflight_tokens
+    if not limit:
+        return
+    positive("async.max_inflight_tokens", limit)
+    batch, n = cfg.rollout_batch_size, cfg.num_return_sequences_in_group
+    prompt, response = cfg.prompt_length, max_response_tokens(cfg)
+    need = batch * n * (prompt + response)
+    if limit < need:
+        raise ConfigError(
+            f"async.max_inflight_tokens ({limit}) is below one batch at its worst case, "
+            f"rollout_batch_size {batch} x n {n} x (prompt_length {prompt} + {response} "
+            f"response tokens) = {need}: the learner could wait for a batch that never fits"
+        )
 
 
 def check_pause_mode(cfg: Config) -> None:
@@ -54,7 +111,7 @@ def check_stale_policy(cfg: Config) -> None:
     positive("async.max_staleness_hard", a.max_staleness_hard, allow_zero=True)
     if a.stale_policy != "correct":
         return
-    if a.max_staleness_hard < a.max_staleness:
+    if a.max_staleness != "auto" and a.max_staleness_hard < a.max_staleness:
         raise ConfigError(
             f"async.max_staleness_hard ({a.max_staleness_hard}) must be >= async.max_staleness "
             f"({a.max_staleness}) with stale_policy correct"

@@ -199,8 +199,15 @@ class WorkerConfig:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class AsyncConfig:
-    max_staleness: int = 1
-    """Most versions a trained-on group may lag the learner; 0 is the synchronous loop."""
+    max_staleness: int | Literal["auto"] = 1
+    """Most versions a trained-on group may lag the learner; 0 is the synchronous loop. auto:
+    the bound moves between 0 and max_staleness_hard by what the learner measures on trained
+    groups: it starts at 1, drops at once below the lowest lag whose rollout IS effective
+    sample size (`is/ess_by_lag/<k>`) stayed under target_ess for 2 steps, and rises by one
+    after 4 steps with every admitted lag on target (a rise that fails doubles the next wait,
+    up to 32 steps). Each change is one `asyncrl: step N: staleness bound ...` line with its
+    reason and the `replay/staleness_bound` metric; the controller is checkpointed. Needs the
+    IS weights (algorithm.rollout_is_threshold set, correction_mode decoupled)."""
     sync_interval: int = 1
     """Broadcast weights to the engines every N optimizer steps."""
     pause_mode: PauseMode = "auto"
@@ -218,7 +225,24 @@ class AsyncConfig:
     discarded, the learner may idle); correct (trained with rollout IS up to
     max_staleness_hard, evicted beyond it)."""
     max_staleness_hard: int = 4
-    """stale_policy correct: groups staler than this are still evicted (>= max_staleness)."""
+    """stale_policy correct: groups staler than this are still evicted (>= max_staleness);
+    max_staleness auto: the highest bound the controller may set (>= 1)."""
+    target_ess: float = 0.7
+    """max_staleness auto: the normalised IS effective sample size, in (0, 1], every admitted
+    lag must keep (units per algorithm.rollout_is_level: token-level weights stay near 1 far
+    longer than sequence-level ones, so set it higher there). A lag counts once it holds 8
+    units in a step."""
+    max_inflight_tokens: int | None = None
+    """Most tokens held outside the learner at once: prompts admitted and not yet delivered
+    (being generated or in transit), each counted at its worst case n × (prompt + most new
+    tokens: max_new_tokens, or response_length for env episodes; an env prompt as
+    prompt_length), plus delivered groups not yet trained, at their real n × prompt + response
+    tokens; a group's tokens are released when it is trained, evicted or filtered. A prompt
+    starts only while one worst-case prompt still fits, beside the group budget of
+    max_staleness (with every stale_policy). Must cover one rollout batch at its worst case,
+    or the learner could wait for a batch that cannot fit. Metrics `replay/tokens_held` (and
+    `_peak`), `replay/tokens_in_flight`, `replay/tokens_buffered` (and `_peak`). null or 0:
+    off."""
 
 
 @dataclass
@@ -257,8 +281,9 @@ class WeightSyncConfig:
     whole); admission opens for the new version once every engine holds it, so the staleness
     bound is unchanged. Steps that evaluate, and the last, wait for their sync. never: every
     sync waits. auto: always for a one-process learner on the CPU (the copy is host memory)
-    at `async.max_staleness` >= 2 (at 1 a version's prompts start only once its sync lands:
-    overlapping leaves the engines less time, measured slower), else never. Refused with
+    at `async.max_staleness` >= 2 (with max_staleness auto: max_staleness_hard; at 1 a
+    version's prompts start only once its sync lands: overlapping leaves the engines less
+    time, measured slower), else never. Refused with
     `async.stale_policy: wait` (its gate reads the version admission opened)."""
 
 

@@ -108,7 +108,8 @@ def _check_sizes(cfg: Config) -> None:
         positive(key, getattr(cfg, key))
     positive("num_return_sequences_in_group", cfg.num_return_sequences_in_group)
     positive("max_steps", cfg.max_steps, allow_zero=True)
-    positive("async.max_staleness", cfg.async_.max_staleness, allow_zero=True)
+    if cfg.async_.max_staleness != "auto":  # auto: `async_checks.check_auto_staleness`
+        positive("async.max_staleness", cfg.async_.max_staleness, allow_zero=True)
     positive("async.sync_interval", cfg.async_.sync_interval)
     positive("rollout.num_actors", cfg.rollout.num_actors)
     positive("rollout.max_inflight_prompts", cfg.rollout.max_inflight_prompts)

@@ -39,9 +39,16 @@ discarded. Pending prompts do not count: they start afresh at the version they a
 The gate reopens once it is delivered (not once trained: the batch that trains it may need
 fresh prompts to fill, so waiting longer could deadlock).
 
+With a token budget (`tokens.py`, `async.max_inflight_tokens`) capacity is also bounded in
+tokens: each ledger entry carries its prompt's charge (its worst case), released at delivery,
+when the group's real tokens enter the buffer's count (read through `buffered_tokens`, the
+queue's); a prompt starts only while a worst-case prompt still fits. Both bounds hold at once:
+capacity is the smaller. The bound itself (`max_staleness`) may move while the run goes on
+(`async.max_staleness: auto`, `staleness_control.py`): the budget follows it at once.
+
 Thread-safe: one lock (re-entrant, so the replay queue shares it and calls in while holding it).
-A payload is a plain dict describing the prompt, with its key under ``"key"``; replay never
-looks further inside it.
+A payload is a plain dict describing the prompt, with its key under ``"key"``; replay looks
+further inside it only for a token budget's charge (its ``"prompt_ids"``, `TokenBudget.estimate`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from asyncrl.replay.tokens import TokenBudget
 
 Payload = dict[str, Any]
 
@@ -64,6 +73,7 @@ class _Entry:
     payload: Payload
     worker: int | None = None  # the worker running it; None while pending or in transit
     started: int | None = None  # the version it was last issued at; None while pending
+    tokens: int = 0  # its charge against the token budget (0 without one)
 
 
 class InFlightLedger:
@@ -74,6 +84,7 @@ class InFlightLedger:
         self._entries: dict[str, _Entry] = {}
         self._pending: OrderedDict[str, None] = OrderedDict()  # (re-)issue order
         self._load: Counter[int] = Counter()  # prompts on each worker
+        self.tokens = 0  # the entries' charges, summed (kept as they come and go)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,11 +92,12 @@ class InFlightLedger:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def add_pending(self, key: str, payload: Payload) -> None:
+    def add_pending(self, key: str, payload: Payload, tokens: int = 0) -> None:
         if key in self._entries:
             raise ReplayError(f"replay: prompt {key!r} is already in flight")
-        self._entries[key] = _Entry(payload)
+        self._entries[key] = _Entry(payload, tokens=tokens)
         self._pending[key] = None
+        self.tokens += tokens
 
     def pending(self) -> int:
         return len(self._pending)
@@ -135,6 +147,7 @@ class InFlightLedger:
         if entry.worker is not None:
             self._load[entry.worker] -= 1
         self._pending.pop(key, None)
+        self.tokens -= entry.tokens
         return True
 
     def load(self, workers: int) -> list[int]:
@@ -163,15 +176,22 @@ class Admission:
         version: int = 0,
         lock: threading.RLock | None = None,
         wait: bool = False,
+        tokens: TokenBudget | None = None,
+        buffered_tokens: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`tokens`: the token budget (None: groups only); `buffered_tokens`: the tokens of
+        the groups buffered and not yet trained (the queue's buffer counts them)."""
         self.max_staleness, self.batch, self.wait = max_staleness, rollout_batch_size, wait
         self._lock = lock if lock is not None else threading.RLock()
         self._version = version
         self.accepted = 0
         self.unreserved = 0
         self.ledger = InFlightLedger()
-        # Called (non-blocking, under the lock) when the version moves and capacity opens: the
-        # dispatcher hands out the new prompts at once instead of at its next poll.
+        self.tokens, self.buffered_tokens = tokens, buffered_tokens
+        self.held_peak = 0  # the most tokens ever held (in flight + buffered)
+        # Called (non-blocking, under the lock) when capacity opens (the version moves, the
+        # bound loosens, a taken batch frees tokens): the dispatcher hands out the new prompts
+        # at once instead of at its next poll.
         self.on_version: list[Callable[[], None]] = []
 
     # -- the rule -----------------------------------------------------------------------------
@@ -190,8 +210,23 @@ class Admission:
             if version < self._version:
                 raise ReplayError(f"replay: version went back from {self._version} to {version}")
             moved, self._version = version > self._version, version
-            for listener in self.on_version if moved else ():
-                listener()
+            if moved:
+                self.opened()
+
+    def set_max_staleness(self, bound: int) -> None:
+        """Move the staleness bound (`async.max_staleness: auto`); a looser one opens
+        capacity at once."""
+        if bound < 0:
+            raise ReplayError(f"replay: max_staleness must be >= 0, got {bound}")
+        with self._lock:
+            looser, self.max_staleness = bound > self.max_staleness, bound
+            if looser:
+                self.opened()
+
+    def opened(self) -> None:
+        """Tell the listeners capacity opened (see `on_version`)."""
+        for listener in self.on_version:
+            listener()
 
     def budget(self) -> int:
         return (self.max_staleness + self._version + 1) * self.batch
@@ -204,7 +239,13 @@ class Admission:
         with self._lock:
             if self.wait and self.stale_in_flight():
                 return 0
-            return max(0, self.budget() - (self.accepted + len(self.ledger)))
+            free = max(0, self.budget() - (self.accepted + len(self.ledger)))
+            return free if self.tokens is None else min(free, self.tokens.fits(self.held()))
+
+    def held(self) -> int:
+        """Tokens held outside the learner: the in-flight prompts' charges + the buffered."""
+        with self._lock:
+            return self.ledger.tokens + self.buffered_tokens()
 
     def stale_in_flight(self) -> bool:
         """Whether a prompt on a worker or in transit would exceed the bound if the learner
@@ -231,8 +272,13 @@ class Admission:
             if clash or len(set(keys)) != len(keys):
                 raise ReplayError(f"replay.reserve: prompt keys already in flight: {clash or keys}")
             for i, key in enumerate(keys):
-                self.ledger.add_pending(key, {"key": key} if payloads is None else payloads[i])
+                payload = {"key": key} if payloads is None else payloads[i]
+                self.ledger.add_pending(key, payload, self._charge(payload))
+            self.held_peak = max(self.held_peak, self.held())
             return granted
+
+    def _charge(self, payload: Payload) -> int:
+        return 0 if self.tokens is None else self.tokens.estimate(payload)
 
     # -- the dispatcher's moves (see the module docstring) ------------------------------------
     def pending(self) -> int:
@@ -267,6 +313,7 @@ class Admission:
             if not self.ledger.deliver(key):
                 self.unreserved += 1
             self.accepted += int(accepted)
+            self.held_peak = max(self.held_peak, self.held())  # an unreserved one adds
 
     def dropped(self, n: int) -> None:
         """n accepted groups were evicted from the buffer: their slots open again."""
@@ -286,6 +333,11 @@ class Admission:
             }
             if self.wait:  # 1 while the wait gate holds admission and the learner
                 out["stale_in_flight"] = int(self.stale_in_flight())
+            if self.tokens is not None:  # charges exist only with a budget
+                out["tokens_in_flight"] = self.ledger.tokens
+                out["tokens_held"] = self.held()
+                out["tokens_held_peak"] = self.held_peak
+                out["token_budget"] = self.tokens.limit
             return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -295,22 +347,30 @@ class Admission:
                 "version": self._version,
                 "accepted": self.accepted,
                 "unreserved": self.unreserved,
+                "tokens_held_peak": self.held_peak,
                 "outstanding": self.ledger.payloads(),
             }
 
     @classmethod
     def from_state(
-        cls, max_staleness: int, batch: int, state: dict[str, Any], wait: bool = False
+        cls,
+        max_staleness: int,
+        batch: int,
+        state: dict[str, Any],
+        wait: bool = False,
+        tokens: TokenBudget | None = None,
     ) -> Admission:
         """A new Admission from `state_dict()`; every outstanding prompt is pending (re-issued
-        first). Raises KeyError / TypeError / ValueError on a malformed state."""
-        fresh = cls(max_staleness, batch, int(state["version"]), wait=wait)
+        first), charged its estimate afresh (it starts again from its prompt). Raises
+        KeyError / TypeError / ValueError on a malformed state."""
+        fresh = cls(max_staleness, batch, int(state["version"]), wait=wait, tokens=tokens)
         fresh.accepted, fresh.unreserved = int(state["accepted"]), int(state["unreserved"])
+        fresh.held_peak = int(state.get("tokens_held_peak", 0))  # absent before token budgets
         for payload in state["outstanding"]:
             key = payload["key"]
             if not isinstance(key, str):
                 raise TypeError(f"prompt key must be a str, got {type(key).__name__}")
-            fresh.ledger.add_pending(key, payload)
+            fresh.ledger.add_pending(key, payload, fresh._charge(payload))
         return fresh
 
     def adopt(self, other: Admission) -> None:
@@ -318,3 +378,4 @@ class Admission:
         with self._lock:
             self._version, self.ledger = other._version, other.ledger
             self.accepted, self.unreserved = other.accepted, other.unreserved
+            self.held_peak = other.held_peak

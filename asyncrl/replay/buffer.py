@@ -14,6 +14,8 @@ Invariants (counts are groups; duplicates are refused and are not puts):
   NOT_GENERATED``) has staleness 0.
 - Length bias, exact: ``generated_*`` counts the responses of every put group (filtered and
   evicted ones too), ``trained_*`` those of taken groups; their means' ratio is the bias.
+- ``tokens`` = the sequence tokens (`tokens.group_tokens`) of the buffered groups, exactly;
+  ``tokens_buffered_peak`` its highest value over the run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.replay.admission import ReplayError
+from asyncrl.replay.tokens import group_tokens
 from asyncrl.transport.stored import group_from_bytes, group_to_bytes
 from asyncrl.types import NOT_GENERATED, TrajectoryGroup
 
@@ -68,6 +71,9 @@ class GroupBuffer:
         for key in ("generated_responses", "generated_tokens", "trained_responses"):
             self.counts[key] = 0
         self.counts["trained_tokens"] = 0
+        self.counts["over_bound"] = 0  # taken staler than the soft bound then in force
+        self.counts["tokens_buffered_peak"] = 0
+        self.tokens = 0  # sequence tokens of the buffered groups
         self.filtered: Counter[str] = Counter(dict.fromkeys(filter_names, 0))
         self.lag_taken: Counter[int] = Counter()
         self.evicted_ids: deque[str] = deque(maxlen=RECENT_EVICTED)
@@ -97,6 +103,9 @@ class GroupBuffer:
             return False
         self._groups.append((born, group))
         self._ids.add(gid)
+        self.tokens += group_tokens(group)
+        peak = self.counts["tokens_buffered_peak"]
+        self.counts["tokens_buffered_peak"] = max(peak, self.tokens)
         return True
 
     def _remember(self, gid: str) -> None:
@@ -120,14 +129,17 @@ class GroupBuffer:
                 continue
             self._ids.discard(group.group_id)
             self.evicted_ids.append(group.group_id)
+            self.tokens -= group_tokens(group)
         evicted = len(self._groups) - len(keep)
         self._groups = keep
         self.counts["evicted"] += evicted
         return evicted
 
-    def take(self, n: int, version: int) -> list[TrajectoryGroup] | None:
+    def take(
+        self, n: int, version: int, soft_bound: int | None = None
+    ) -> list[TrajectoryGroup] | None:
         """The n first groups in take order (call `evict_stale(version)` first), or None if
-        fewer are here."""
+        fewer are here. Those staler than `soft_bound` are counted (`over_bound`)."""
         if len(self._groups) < n:
             return None
         if self.stalest_first:  # stable: arrival order among groups born at one version
@@ -137,7 +149,10 @@ class GroupBuffer:
         for _ in range(n):
             born, group = self._groups.popleft()
             self._ids.discard(group.group_id)
-            self.lag_taken[0 if born is None else version - born] += 1
+            lag = 0 if born is None else version - born
+            self.lag_taken[lag] += 1
+            self.counts["over_bound"] += int(soft_bound is not None and lag > soft_bound)
+            self.tokens -= group_tokens(group)
             self.counts["trained_responses"] += group.n
             self.counts["trained_tokens"] += group.num_tokens
             out.append(group)
@@ -156,6 +171,9 @@ class GroupBuffer:
             "evicted": c["evicted"],
             "rejected_duplicates": c["duplicates"],
             "filtered": sum(self.filtered.values()),
+            "over_bound": c["over_bound"],
+            "tokens_buffered": self.tokens,
+            "tokens_buffered_peak": c["tokens_buffered_peak"],
         }
         out.update({f"filtered/{k}": v for k, v in self.filtered.items()})
         lag_buf = Counter(0 if b is None else version - b for b, _ in self._groups)
@@ -207,6 +225,7 @@ class GroupBuffer:
                 raise ValueError(f"group {group.group_id!r} buffered twice")
             fresh._groups.append((_born(group), group))
             fresh._ids.add(group.group_id)
+            fresh.tokens += group_tokens(group)
         for key, value in state["counters"].items():
             fresh.counts[str(key)] = int(value)
         for key, value in state["filtered"].items():

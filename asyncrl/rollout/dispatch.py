@@ -151,14 +151,16 @@ class Dispatcher:
         """Draw up to `wanted` new prompts, as many as admission grants, into the ledger."""
         # Under admission's lock: capacity can shrink meanwhile (the wait policy's gate closes
         # when the learner's version moves), and a prompt drawn but not reserved would be lost.
+        # A token budget counts room for worst-case prompts, then charges each drawn prompt its
+        # own (smaller) estimate: ask again until admission grants none (each round grants one
+        # or more, so this ends).
         with self.admission.lock:
-            granted = min(wanted, self.admission.capacity())
-            if granted <= 0:
-                return
-            fresh = [self.next_prompt() for _ in range(granted)]
-            keys, payloads = [it.key for it in fresh], [vars(it) for it in fresh]
-            if self.admission.reserve(granted, keys, payloads) != granted:
-                raise RuntimeError("dispatcher: admission granted fewer prompts than it counted")
+            while (granted := min(wanted, self.admission.capacity())) > 0:
+                fresh = [self.next_prompt() for _ in range(granted)]
+                keys, payloads = [it.key for it in fresh], [vars(it) for it in fresh]
+                if self.admission.reserve(granted, keys, payloads) != granted:
+                    raise RuntimeError("dispatcher: admission granted fewer than it counted")
+                wanted -= granted
 
     def reap(self, timeout: float) -> None:
         """Take finished submissions from the pool: delivered prompts free their worker's

@@ -1,0 +1,169 @@
+"""The adaptive staleness bound (`async.max_staleness: auto`): a small controller that moves
+the bound between 0 and `max_staleness_hard` from what the learner measured on trained groups.
+
+The signal is the learner's normalised effective sample size of the rollout IS weights by
+staleness, `is/ess_by_lag/<k>` over `is/units_by_lag/<k>` units (`learner/objective.py:
+lag_metrics`; tokens or sequences, per `algorithm.rollout_is_level`): how much of a lag-k
+batch the IS correction keeps. When the policy moves fast, stale groups' weights spread and
+their ESS falls; when it moves slowly, stale groups cost nothing and a looser bound buys
+throughput. Each learner step the controller reads the ESS of the lags `1 .. bound` it admits
+(lag 0's mismatch is numerical, which no bound changes; lags past the bound are stragglers the
+stale policy admitted earlier) that hold at least `min_units` units, then:
+
+- **tighten at once**: after `tighten_after` consecutive steps in which some lag's ESS was
+  below `target_ess`, the bound drops below the lowest such lag (at least by one);
+- **relax by one**: after `relax_wait` consecutive steps with no lag below target (a step with
+  no stale group measured counts as healthy: at bound 0 nothing is stale), the bound rises by
+  one, up to `hard`;
+- **back off** (hysteresis): a relaxed bound that breaks the target again before the next
+  relax doubles the wait before the next try (up to `relax_after · max_backoff`); a relax that
+  holds resets it to `relax_after`. So a policy that cannot afford a looser bound is probed
+  ever more rarely, and the steps spent below target stay bounded.
+
+Every change comes back as a `Decision` with its reason (the loop logs it in one line and the
+`replay/staleness_*` metrics record it); `state_dict` / `load_state_dict` carry the whole state
+across a resume. Pure Python: no Ray, no torch, no config import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: The learner's per-lag metric names (`learner/objective.py:lag_metrics`).
+ESS_PREFIX, UNITS_PREFIX = "is/ess_by_lag/", "is/units_by_lag/"
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """What the controller steers by; every field is checked when built."""
+
+    hard: int
+    """The ceiling of the bound (`async.max_staleness_hard`); the floor is 0."""
+    target_ess: float = 0.7
+    """A lag whose IS ESS is below this breaks the target (`async.target_ess`)."""
+    start: int = 1
+    """The bound before any signal (clamped to `hard`): today's default fixed bound."""
+    tighten_after: int = 2
+    """Consecutive breaking steps before the bound drops (1: on the first)."""
+    relax_after: int = 4
+    """Consecutive healthy steps before the bound rises by one."""
+    max_backoff: int = 8
+    """A failed relax doubles the next wait, up to relax_after × this."""
+    min_units: int = 8
+    """A lag's ESS counts only over at least this many units (one group's sequences at n=8):
+    fewer are noise."""
+
+    def __post_init__(self) -> None:
+        if self.hard < 0 or self.start < 0:
+            raise ValueError(f"staleness control: hard and start must be >= 0, got {self}")
+        if not 0.0 < self.target_ess <= 1.0:
+            raise ValueError(f"staleness control: target_ess must be in (0, 1], got {self}")
+        for name in ("tighten_after", "relax_after", "max_backoff", "min_units"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"staleness control: {name} must be >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step's outcome: the bound now, how it moved (0: not), why, and the signal."""
+
+    bound: int
+    change: int
+    reason: str
+    signal: float | None
+    """The lowest ESS over the lags read (None: no lag 1 .. bound measured this step)."""
+
+    def metrics(self) -> dict[str, float]:
+        out = {"staleness_bound": float(self.bound), "staleness_change": float(self.change)}
+        if self.signal is not None:
+            out["staleness_signal"] = self.signal
+        return out
+
+
+def stale_ess(metrics: Mapping[str, Any], bound: int, min_units: int) -> dict[int, float]:
+    """{lag: ESS} of the lags 1 .. `bound` measured over at least `min_units` units."""
+    out = {}
+    for key, value in metrics.items():
+        if not key.startswith(ESS_PREFIX) or not key[len(ESS_PREFIX) :].isdigit():
+            continue
+        lag = int(key[len(ESS_PREFIX) :])
+        units = metrics.get(f"{UNITS_PREFIX}{lag}", 0) or 0
+        if 1 <= lag <= bound and units >= min_units and _finite(value):
+            out[lag] = float(value)
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+class StalenessController:
+    """The bound and the counters that move it (see the module docstring)."""
+
+    def __init__(self, settings: ControlSettings) -> None:
+        self.s = settings
+        self.bound = min(settings.start, settings.hard)
+        self.breaches = 0  # consecutive steps below target
+        self.healthy = 0  # consecutive steps without a breach
+        self.relax_wait = settings.relax_after  # healthy steps the next relax needs
+        self.last = 0  # the last change's sign: +1 relaxed, -1 tightened, 0 none yet
+        self.changes = 0
+
+    def observe(self, metrics: Mapping[str, Any]) -> Decision:
+        """One learner step's metrics in; the bound (changed or not) out."""
+        ess = stale_ess(metrics, self.bound, self.s.min_units)
+        signal = min(ess.values(), default=None)
+        broken = sorted(lag for lag, value in ess.items() if value < self.s.target_ess)
+        self.breaches, self.healthy = (self.breaches + 1, 0) if broken else (0, self.healthy + 1)
+        if broken and self.breaches >= self.s.tighten_after and self.bound > 0:
+            lag = broken[0]
+            why = (
+                f"IS ESS at lag {lag} {ess[lag]:.3f} < target {self.s.target_ess:g} "
+                f"for {self.breaches} step(s)"
+            )
+            return self._move(min(self.bound - 1, lag - 1), why, signal)
+        if not broken and self.healthy >= self.relax_wait and self.bound < self.s.hard:
+            shown = "no stale group measured" if signal is None else f"lowest ESS {signal:.3f}"
+            why = f"{self.healthy} healthy steps ({shown}, target {self.s.target_ess:g})"
+            return self._move(self.bound + 1, why, signal)
+        return Decision(self.bound, 0, "", signal)
+
+    def _move(self, bound: int, why: str, signal: float | None) -> Decision:
+        bound = max(0, min(self.s.hard, bound))
+        change, old = bound - self.bound, self.bound
+        if change < 0:  # a relax that failed before the next one: wait longer next time
+            cap = self.s.relax_after * self.s.max_backoff
+            failed = self.last > 0
+            self.relax_wait = min(cap, self.relax_wait * 2) if failed else self.s.relax_after
+        elif self.last > 0:  # the previous relax held: back to the short wait
+            self.relax_wait = self.s.relax_after
+        self.bound, self.last = bound, (1 if change > 0 else -1)
+        self.breaches = self.healthy = 0
+        self.changes += 1
+        verb = "tightened" if change < 0 else "relaxed"
+        return Decision(bound, change, f"staleness bound {verb} {old} -> {bound}: {why}", signal)
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "bound": self.bound,
+            "breaches": self.breaches,
+            "healthy": self.healthy,
+            "relax_wait": self.relax_wait,
+            "last": self.last,
+            "changes": self.changes,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; a bound over this run's `hard` is clamped to it. Raises
+        KeyError / TypeError / ValueError on a malformed state, changing nothing."""
+        values = {key: int(state[key]) for key in self.state_dict()}
+        if min(values["bound"], values["relax_wait"]) < 0 or values["last"] not in (-1, 0, 1):
+            raise ValueError(f"staleness control state out of range: {values}")
+        values["bound"] = min(values["bound"], self.s.hard)
+        values["relax_wait"] = max(1, values["relax_wait"])
+        for key, value in values.items():
+            setattr(self, key, value)
