@@ -193,8 +193,7 @@ def measure_varlen(model_dir: Path, row_tokens: int, repeats: int, seed: int = 0
     ids = torch.from_numpy(rng.integers(4, 100, row_tokens))[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
-    bounds = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
-              "max_length_k": max(lengths)}  # fmt: skip
+    bounds = packing.boundary_kwargs(cu, max(lengths))
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     assert varlen.enable(model), varlen.why_not(model)
 

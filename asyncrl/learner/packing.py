@@ -148,8 +148,14 @@ class Packed:
         flash-attention kwarg names; none for packs in several rows)."""
         if self.cu_seq_lens is None:
             return {}
-        cu, n = self.cu_seq_lens, self.max_len
-        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n}
+        return boundary_kwargs(self.cu_seq_lens, self.max_len)
+
+
+def boundary_kwargs(cu_seq_lens: torch.Tensor, max_len: int) -> dict[str, object]:
+    """A packed row's sequence boundaries as a forward's kwargs (transformers' flash-attention
+    names, which `asyncrl.learner.varlen` reads too)."""
+    cu, n = cu_seq_lens, max_len
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n}
 
 
 def real_lengths(attention_mask: torch.Tensor) -> list[int]:

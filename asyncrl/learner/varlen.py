@@ -52,6 +52,12 @@ def _flash_varlen() -> Any:
 
 _VARLEN = _flash_varlen()
 _VARLEN_PARAMS = set(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else set()
+#: How the kernel is asked for causal attention (its keyword moved between torch releases);
+#: None: neither, so the kernel is not taken.
+_CAUSAL: dict[str, Any] | None = (
+    {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS
+    else {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else None
+)  # fmt: skip
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -146,12 +152,12 @@ def attention_forward(
 
 
 def _flash_ok(query: torch.Tensor, dropout: float) -> bool:
+    # _CAUSAL is None without the kernel (no parameters read)
     return (
-        _VARLEN is not None
+        _CAUSAL is not None
         and query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and dropout == 0.0
-        and ("window_size" in _VARLEN_PARAMS or "is_causal" in _VARLEN_PARAMS)
     )
 
 
@@ -166,10 +172,7 @@ def _flash(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         extra = {}
-    if "window_size" in _VARLEN_PARAMS:
-        extra["window_size"] = (-1, 0)  # causal
-    else:
-        extra["is_causal"] = True
+    extra.update(_CAUSAL or {})
     cu = cu.to(device=q.device, dtype=torch.int32)
     return _VARLEN(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
 
