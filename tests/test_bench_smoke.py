@@ -36,6 +36,18 @@ def test_bench_smoke(what, tmp_path):
     assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_bench_premise_smoke(tmp_path):
+    """Two real `asyncrl run`s of 4 steps each (minutes on a loaded 2-core box: slow)."""
+    assert main(["bench", "premise", "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "premise.json").read_text())
+    _finite_headline(result)
+    assert [r["variant"] for r in result["rows"]] == ["sync", "stale_uncorrected"]
+    assert (
+        result["rows"][0]["staleness"] == 0 and "uncorrected_vs_sync_points" in result["verdicts"]
+    )
+
+
 def test_bench_transport_smoke(tmp_path):
     """Smoke: quick, no Ray, one trial; all three sizes still measured."""
     assert main(["bench", "transport", "--smoke", "--out", str(tmp_path)]) == 0
