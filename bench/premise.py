@@ -28,6 +28,8 @@ learning rate was chosen; its table is part of the result.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -59,7 +61,11 @@ QUIET = ["logging.console=false", "logging.tensorboard=false", "logging.plots=fa
 
 
 def one_run(variant: str, seed: int, lr: float, steps: int, out: Path, smoke: bool) -> dict:
-    """One real `asyncrl run` of `variant`: its held-out accuracy and what staleness it saw."""
+    """One real `asyncrl run` of `variant`: its held-out accuracy and what staleness it saw.
+    A finished run's summary is kept in `out/summary.json` and reused (a rerun resumes)."""
+    done = out / "summary.json"
+    if done.exists():
+        return json.loads(done.read_text())
     evals = ["logging.eval_interval=2", "logging.eval_size=16"] if smoke else EVAL
     overrides = (*VARIANTS[variant], f"actor_train.training_args.learning_rate={lr}",
                  f"max_steps={steps}", *evals, *QUIET)  # fmt: skip
@@ -70,21 +76,44 @@ def one_run(variant: str, seed: int, lr: float, steps: int, out: Path, smoke: bo
     _, kl = series(metrics, "mismatch/mismatch_kl")
     _, tps = series(metrics, "throughput/tokens_per_s")
     _, bound = series(metrics, "replay/staleness_bound")
-    return {
+    summary = {
         "variant": variant, "seed": seed, "lr": lr, "seconds": seconds,
         "eval_first": acc[0], "eval_last3": statistics.fmean(acc[-3:]), "eval_curve": acc,
         "staleness_mean": statistics.fmean(lag) if lag else 0.0,
         "mismatch_kl_mean": statistics.fmean(kl) if kl else float("nan"),
         "tokens_per_s": statistics.fmean(tps[1:] or tps), "bound_curve": bound,
     }  # fmt: skip
+    done.write_text(json.dumps(summary))
+    return summary
 
 
-def run_grid(jobs: list[tuple[str, int, float]], steps: int, parallel: int, smoke: bool):
-    """Every (variant, seed, lr) job, `parallel` subprocesses at a time."""
-    with tempfile.TemporaryDirectory() as tmp, cf.ThreadPoolExecutor(parallel) as pool:
-        futures = [pool.submit(one_run, v, s, lr, steps, Path(tmp) / f"{v}-{s}-{lr}", smoke)
+def attempt(variant: str, seed: int, lr: float, steps: int, out: Path, smoke: bool) -> dict:
+    """`one_run`, tried twice: on a loaded box a run can fail to start (Ray's start-up
+    deadline); a run that fails twice is reported as failed, the others' results kept."""
+    error = ""
+    for _ in range(2):
+        try:
+            return one_run(variant, seed, lr, steps, out, smoke)
+        except RuntimeError as exc:
+            error = str(exc).splitlines()[-1]
+            shutil.rmtree(out, ignore_errors=True)
+    return {"variant": variant, "seed": seed, "lr": lr, "failed": error}
+
+
+def run_grid(jobs: list[tuple[str, int, float]], steps: int, parallel: int, smoke: bool,
+             work: Path) -> list[dict]:  # fmt: skip
+    """Every (variant, seed, lr) job, `parallel` subprocesses at a time, each in its folder
+    under `work`; failed runs are printed and left out."""
+    with cf.ThreadPoolExecutor(parallel) as pool:
+        futures = [pool.submit(attempt, v, s, lr, steps, work / f"{v}-{s}-{lr}-{steps}", smoke)
                    for v, s, lr in jobs]  # fmt: skip
-        return [f.result() for f in futures]
+        runs = [f.result() for f in futures]
+    for run in runs:
+        if "failed" in run:
+            print(
+                f"FAILED twice: {run['variant']} seed {run['seed']} lr {run['lr']}: {run['failed']}"
+            )
+    return [r for r in runs if "failed" not in r]
 
 
 def summarise(runs: list[dict]) -> list[dict[str, Any]]:
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--screen", action="store_true", help="also the learning-rate search")
     parser.add_argument("--screen-lrs", type=float, nargs="+", default=[5e-5, 1e-4, 2e-4])
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="keep each run here and reuse finished ones (resume)")  # fmt: skip
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -160,18 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     seeds, steps = (args.seeds[:1], 4) if args.smoke else (args.seeds, 60)
     if args.smoke:
         variants = variants[:2]
-    screen: list[dict] = []
-    if args.screen:
-        jobs = [(v, seeds[0], lr) for lr in args.screen_lrs for v in ("sync", "stale_uncorrected")]
-        screen = run_grid(jobs, steps, args.parallel, args.smoke)
-        print_table(f"learning-rate search: sync vs stale uncorrected (seed {seeds[0]})",
-                    ["lr", "variant", "held-out acc", "staleness"],
-                    [[r["lr"], r["variant"], r["eval_last3"], r["staleness_mean"]]
-                     for r in screen])  # fmt: skip
-    done = [r for r in screen if r["lr"] == args.lr and r["variant"] in variants]
-    jobs = [(v, s, args.lr) for v in variants for s in seeds]
-    jobs = [j for j in jobs if not any((r["variant"], r["seed"]) == j[:2] for r in done)]
-    runs = done + run_grid(jobs, steps, args.parallel, args.smoke)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        screen: list[dict] = []
+        if args.screen:  # its runs at args.lr are the main grid's too (same folders: reused)
+            jobs = [(v, seeds[0], lr) for lr in args.screen_lrs
+                    for v in ("sync", "stale_uncorrected")]  # fmt: skip
+            screen = run_grid(jobs, steps, args.parallel, args.smoke, work)
+            print_table(f"learning-rate search: sync vs stale uncorrected (seed {seeds[0]})",
+                        ["lr", "variant", "held-out acc", "staleness"],
+                        [[r["lr"], r["variant"], r["eval_last3"], r["staleness_mean"]]
+                         for r in screen])  # fmt: skip
+        jobs = [(v, s, args.lr) for v in variants for s in seeds]
+        runs = run_grid(jobs, steps, args.parallel, args.smoke, work)
     rows = summarise(runs)
     print_table(f"held-out accuracy, lr {args.lr}, {steps} steps, seeds {seeds}",
                 ["variant", "per seed", "mean", "vs sync pts", "staleness", "mismatch KL", "tok/s"],
