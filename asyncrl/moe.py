@@ -17,7 +17,7 @@ are given a forward of this module's (`install`) that computes the same arithmet
 
 The state lives on the model (`tap_of(model)`), and each router holds it as an attribute, so a
 `copy.deepcopy` of the model (the hf engine's kept lanes) records into its own copy.
-This module imports only torch.
+This module imports torch and the config's table of MoE model types only.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from asyncrl.config.moe_checks import MOE_TYPES
+
 #: Route value of a (token, layer) with no recorded experts: the learner routes it itself.
 UNROUTED = 255
 #: Expert ids travel as uint8, `UNROUTED` reserved: models with more experts are refused.
 MAX_EXPERTS = UNROUTED
-#: model_type values whose routers this module reproduces exactly.
-MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})
 _ATTR = "_asyncrl_tap"
 
 

@@ -322,9 +322,13 @@ def _route_blocks(prompt_len: int, responses: Sequence[Mapping[str, Any]]) -> np
     if not responses or not all(r.get("routes") is not None for r in responses):
         return None
     recorded = [np.asarray(r["routes"]) for r in responses]
-    widths = {a.shape[1] if a.ndim == 2 else -1 for a in recorded}
-    if len(widths) != 1 or -1 in widths:
-        raise RecordError("routes of every response must be 2-D with one width")
+    if any(a.ndim != 2 for a in recorded):
+        raise RecordError("routes of every response must be 2-D [positions, layers * top_k]")
+    widths = {a.shape[1] for a in recorded if len(a)}  # an empty one (no position) has none
+    if len(widths) > 1:
+        raise RecordError(f"routes of one group must have one width, got {sorted(widths)}")
+    if not widths:
+        return None
     width = widths.pop()
     blocks = []
     for r, a in zip(responses, recorded, strict=True):
@@ -332,7 +336,8 @@ def _route_blocks(prompt_len: int, responses: Sequence[Mapping[str, Any]]) -> np
         if len(a) > rows:
             raise RecordError(f"{len(a)} routed positions for a response of {rows} tokens")
         block = np.full((rows, width), UNROUTED, np.uint8)
-        block[: len(a)] = _as_routes(a)
+        if len(a):
+            block[: len(a)] = _as_routes(a)
         blocks.append(block)
     return np.concatenate(blocks)
 
