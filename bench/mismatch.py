@@ -191,15 +191,28 @@ def main(argv: list[str] | None = None) -> int:
     off, r3 = result["off"], result["r3"]
     ratio = _ratio(r3["mismatch_k3_kl"], off["mismatch_k3_kl"])
     flipped_ratio = _ratio(r3["flipped_mismatch_k3_kl"], off["flipped_mismatch_k3_kl"])
-    keys = ("mismatch_kl", "mismatch_k3_kl", "is_ess", "routes_differ_frac", "flipped_rows",
-            "flipped_mismatch_k3_kl", "flipped_is_ess")
+    keys = (
+        "mismatch_kl",
+        "mismatch_k3_kl",
+        "is_ess",
+        "routes_differ_frac",
+        "flipped_rows",
+        "flipped_mismatch_k3_kl",
+        "flipped_is_ess",
+    )
     print_table("mismatch: bf16 engine vs fp32 learner", ["replay", *keys],
                 [[m, *(result[m][k] for k in keys)] for m in ("off", "r3")])  # fmt: skip
     met = bool(ratio <= TARGET_RATIO and r3["routes_differ_frac"] == 0.0)
     out = {
-        "params": {"prompts": args.prompts, "n": args.n, "max_new": args.max_new,
-                   "seed": args.seed, "model": str(model_dir), "engine_dtype": "bf16",
-                   "learner_dtype": "fp32"},  # fmt: skip
+        "params": {
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_new": args.max_new,
+            "seed": args.seed,
+            "model": str(model_dir),
+            "engine_dtype": "bf16",
+            "learner_dtype": "fp32",
+        },  # fmt: skip
         "rows": result,
         "kl_ratio_r3_over_off": ratio,  # k3 KL: the sampled mean(rollout - old) is noise here
         "flipped_kl_ratio_r3_over_off": flipped_ratio,

@@ -243,8 +243,19 @@ def test_route_records_are_checked_on_receipt():
 
 
 def _fields(g: TrajectoryGroup) -> dict:
-    keys = ("group_id", "prompt_ids", "response_lengths", "response_ids", "rollout_logprobs",
-            "loss_mask", "versions", "rewards", "finish_reasons", "advantages", "metadata")
+    keys = (
+        "group_id",
+        "prompt_ids",
+        "response_lengths",
+        "response_ids",
+        "rollout_logprobs",
+        "loss_mask",
+        "versions",
+        "rewards",
+        "finish_reasons",
+        "advantages",
+        "metadata",
+    )
     return {k: getattr(g, k) for k in keys}
 
 

@@ -39,13 +39,13 @@ from asyncrl.transport.frames import (
     GROUP_ARRAYS,
     MAX_FRAMES,
     MAX_MESSAGE_BYTES,
+    ROUTES,
     ArraySpec,
     DecodeError,
     EncodeError,
     frame_views,
     import_group_arrays,
 )
-from asyncrl.transport.frames import ROUTES
 from asyncrl.types import RecordError, TrajectoryGroup
 
 BATCH_KIND = "trajectory_batch"
