@@ -295,3 +295,88 @@ def test_the_moe_model_has_its_own_cache_key_and_the_dense_key_is_unchanged():
     assert moe_spec.arch == "moe" and moe_spec.digest() != DEFAULT_SPEC.digest()
     assert embedded_spec(["frozenlake"], "moe").digest() not in (
         moe_spec.digest(), embedded_spec(["frozenlake"]).digest())  # fmt: skip
+
+
+class _EngineOverCall:
+    """`EngineClient.generate_one` without the HTTP in between: the body goes through the hf
+    server's own request parser, the engine, its own reply builder and the client's parser."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+
+    async def generate_one(self, body: dict):
+        import asyncio
+
+        from asyncrl.engine.hf.protocol import parse_generate
+        from asyncrl.engine.hf.server import _reply
+        from asyncrl.engine.replies import parse_completion
+
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        (seq,), _ = parse_generate(body, lambda s: loop.call_soon_threadsafe(done.set_result, s))
+        self.engine.submit(seq)
+        reply = _reply(await done)
+        return parse_completion("in-process", reply, True, body["return_routed_experts"])
+
+
+def test_an_aborted_then_continued_sample_keeps_the_routes_it_was_sampled_with():
+    import asyncio
+
+    from asyncrl.rollout.single_turn import generate_continued
+
+    model = random_moe(seed=2)
+    old = engine_weights(model)
+    engine = HFEngine(model, max_batch_size=4, seed=5)
+    client = _EngineOverCall(engine)
+    request = {
+        "input_ids": PROMPTS[0],
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True},
+    }
+    held = {}
+
+    def abort_and_reroute() -> None:
+        deadline = time.monotonic() + 30
+        while not engine.num_requests() or engine.load()["num_tokens"] < len(PROMPTS[0]) + 5:
+            assert time.monotonic() < deadline, "the request made no progress"
+            time.sleep(0.001)
+        engine.pause("abort")  # answered now with its partial output; continued by the client
+        held["n"] = engine.pauses["abort"]
+        with engine.step_lock, torch.no_grad():
+            for router in moe.routers(engine.model):
+                router.weight.copy_(router.weight.roll(1, dims=0))
+        engine.resume()
+
+    async def go():
+        first = asyncio.create_task(client.generate_one(request))
+        await asyncio.to_thread(abort_and_reroute)
+        reply = await first
+        assert reply.finish_reason == "abort"
+        held["m"] = len(reply.output_ids)
+        return await generate_continued(client, request, 40, reply)
+
+    engine.start()
+    try:
+        c = asyncio.run(go())
+    finally:
+        engine.stop()
+    assert held["n"] == 1 and len(c.output_ids) == 40 and c.finish_reason == "length"
+    tokens = torch.tensor([PROMPTS[0] + c.output_ids[:-1]])
+    assert c.routed_experts.shape == (tokens.shape[1], 4)
+    fresh = random_moe(seed=2)
+    tap = moe.install(fresh)
+    expect = {}
+    for name, weights in (("old", old), ("new", engine_weights(model))):
+        fresh.load_state_dict(weights)
+        with torch.no_grad(), tap.recording_routes():
+            fresh(input_ids=tokens)
+        expect[name] = tap.take().flatten(1).numpy()
+    got = c.routed_experts
+    # the first reply's positions: the old weights' routes, though the continuation's prefill
+    # routed them again with the new ones; every later position: the new weights'
+    cut = len(PROMPTS[0]) + held["m"] - 1
+    assert held["m"] >= 5
+    assert np.array_equal(got[:cut], expect["old"][:cut])
+    assert np.array_equal(got[cut:], expect["new"][cut:])
+    assert not np.array_equal(expect["old"][:cut], expect["new"][:cut])  # the test can fail
