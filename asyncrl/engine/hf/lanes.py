@@ -82,7 +82,7 @@ class Lane:
         accepts = inspect.signature(model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self._lean = lean_forward_for(model)  # None: transformers' forward (decoder.py)
-        self.tap = routes.tap_for(model)  # MoE: every forward records its routes (routes.py)
+        self.tap = routes.tap_for(model)  # MoE: forwards record routes when asked (routes.py)
 
     @property
     def running(self) -> list[Seq]:
@@ -118,8 +118,9 @@ class Lane:
             mask[i, width - len(r) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        routed = routes.begin(self.tap, seqs)
         logits, kv = self._forward(ids, mask, pos, None)
-        if self.tap is not None:
+        if routed:
             routes.after_prefill(self.tap, seqs, inverse, width, [len(r) for r in rows])
         if len(first) < len(rows):
             idx = torch.tensor(inverse, device=self.device)
@@ -133,8 +134,9 @@ class Lane:
         b = self.batch
         assert b is not None
         mask = torch.cat([b.mask, b.mask.new_ones(len(b.seqs), 1)], dim=1)
+        routed = routes.begin(self.tap, b.seqs)
         logits, kv = self._forward(b.last[:, None], mask, b.pos[:, None], b.kv)
-        if self.tap is not None:
+        if routed:
             routes.after_decode(self.tap, b.seqs)
         b.kv, b.mask, b.pos = kv, mask, b.pos + 1
         return logits

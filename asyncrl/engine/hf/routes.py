@@ -1,8 +1,9 @@
 """Routed experts of the hf engine's requests (`return_routed_experts`, SGLang's field).
 
-A mixture-of-experts model's lanes record, in every forward, the top-k expert ids each
-position was routed to in each MoE layer (`asyncrl.moe`: the router's own top-k, nothing
-changed in the arithmetic). A request that asked for them keeps one row per position it
+A mixture-of-experts model's lanes record, in every forward with a request that asked for
+them, the top-k expert ids each position was routed to in each MoE layer (`asyncrl.moe`: the
+router's own top-k, nothing changed in the arithmetic; forwards no one asked for copy
+nothing). A request that asked for them keeps one row per position it
 forwarded, from position 0: its prefill gives the prompt's rows, each decode step the row of
 the token it fed. The last sampled token is never fed, so a finished request holds
 `prompt + output - 1` rows, as SGLang's reply does.
@@ -30,13 +31,19 @@ REPLY_KEY = "routed_experts"
 
 
 def tap_for(model: torch.nn.Module) -> moe.Tap | None:
-    """The model's recording tap (installed now if needed); None for a model without MoE
-    routers this can record."""
+    """The model's tap (installed now if needed); None for a model without MoE routers this
+    can record."""
     if moe.unsupported(model) is not None:
         return None
-    tap = moe.install(model)
-    tap.recording = True
-    return tap
+    return moe.install(model)
+
+
+def begin(tap: moe.Tap | None, seqs: list[Seq]) -> bool:
+    """Before a forward over `seqs`: record its routes iff one of them asked (the answer)."""
+    if tap is None:
+        return False
+    tap.recording = any(s.return_routes for s in seqs)
+    return tap.recording
 
 
 def check(tap: moe.Tap | None, seq: Seq) -> None:
@@ -56,10 +63,7 @@ def after_prefill(
     """Give each asking request of a prefill its rows past those it has. The forward ran the
     distinct rows (`inverse[i]`: request i's), left-padded to `width`; `lengths[i]`: request
     i's tokens."""
-    routes = tap.take()
-    if not any(s.return_routes for s in seqs):
-        return
-    routes = routes.view(-1, width, tap.layers, tap.top_k)
+    routes = tap.take().view(-1, width, tap.layers, tap.top_k)
     for seq, row, n in zip(seqs, inverse, lengths, strict=True):
         have = recorded(seq)
         if seq.return_routes and have < n:
@@ -68,10 +72,7 @@ def after_prefill(
 
 def after_decode(tap: moe.Tap, seqs: list[Seq]) -> None:
     """Each asking request of a decode step gets the row of the token it fed."""
-    routes = tap.take()
-    if not any(s.return_routes for s in seqs):
-        return
-    routes = routes.view(len(seqs), tap.layers, tap.top_k)
+    routes = tap.take().view(len(seqs), tap.layers, tap.top_k)
     for i, seq in enumerate(seqs):
         if seq.return_routes:
             seq.routes.append(routes[i : i + 1].clone())
