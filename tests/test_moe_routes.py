@@ -380,3 +380,45 @@ def test_an_aborted_then_continued_sample_keeps_the_routes_it_was_sampled_with()
     assert np.array_equal(got[:cut], expect["old"][:cut])
     assert np.array_equal(got[cut:], expect["new"][cut:])
     assert not np.array_equal(expect["old"][:cut], expect["new"][:cut])  # the test can fail
+
+
+def test_routes_asked_of_a_dense_model_are_refused():
+    from tests.helpers import random_qwen2
+
+    engine = HFEngine(random_qwen2(), max_batch_size=2)
+    seq = Seq("r", [3, 4], SamplingParams(max_new_tokens=2), lambda s: None, return_routes=True)
+    with pytest.raises(ValueError, match="return_routed_experts: this model has no mixture"):
+        engine.submit(seq)
+
+
+def test_a_batch_whose_routes_do_not_tile_its_groups_is_refused():
+    groups = [
+        TrajectoryGroup.from_responses(
+            f"g{k}",
+            [5, 6, 7],
+            [
+                {
+                    "response_ids": [1, 2],
+                    "rollout_logprobs": [-1.0, -1.0],
+                    "versions": [0, 0],
+                    "reward": 1.0,
+                    "finish_reason": "stop",
+                    "routes": np.ones((4, 4), np.uint8),
+                }
+            ],
+        )  # fmt: skip
+        for k in range(2)
+    ]
+    frames = encode_batch(groups)
+    assert [g.routes.shape for g in decode_groups(frames)] == [(5, 4), (5, 4)]
+    import msgspec
+
+    header = msgspec.msgpack.decode(bytes(frames[0]))
+    spec = header[2]["routes"]
+    spec[2] = [9, 4]  # one position short of the groups' 2 x (3 + 2)
+    frames[0] = msgspec.msgpack.encode(header)
+    frames[spec[3]] = bytes(frames[spec[3]])[: 9 * 4]
+    with pytest.raises(DecodeError, match="routes has 9 positions, not 10"):
+        decode_groups(frames)
+    with pytest.raises(Exception, match="routes of one width or none"):
+        encode_batch([groups[0], TrajectoryGroup(**_fields(groups[1]))])
