@@ -49,9 +49,6 @@ def _check_router_replay(cfg: Config) -> None:
     if cfg.actor.use_dynamic_bsz:
         raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
                           "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
-    if cfg.env is not None:
-        raise ConfigError(f"{key}: r3 is wired for single-turn groups; multi-turn episodes "
-                          "do not carry routes yet")  # fmt: skip
     if len(train.device_mapping) > 1:
         raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
                           "replayed routes is untested)")  # fmt: skip
