@@ -312,8 +312,10 @@ def generate_body(
         "return_logprob": each(lambda r: r.return_logprob),
         "logprob_start_len": -1,
     }
-    if any(r.return_routed_experts for r in reqs):  # only then: SGLang < 0.5.5 lacks it
-        body["return_routed_experts"] = each(lambda r: r.return_routed_experts)
+    if any(r.return_routed_experts for r in reqs):  # only then: SGLang before 0.5.10 lacks it
+        # ONE bool per body, batched too: SGLang hands each item the body's value as it is
+        # (a list would reach every item whole); an item that did not ask ignores its routes
+        body["return_routed_experts"] = True
     if any(r.rid is not None for r in reqs):
         body["rid"] = each(lambda r: r.rid or uuid.uuid4().hex)
     body |= dict(keys or {})
