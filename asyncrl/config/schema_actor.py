@@ -253,11 +253,12 @@ class ActorConfig:
     routed experts (SGLang's `return_routed_experts`), they travel with the group, and the
     fsdp2_train learner's forwards use them: each token's experts are the engine's, their
     weights the learner's own router probabilities of those experts (renormalised as the
-    model's `norm_topk_prob` says), so the router still learns. Prompt tokens replay the
-    routes of the sample's first prefill, an episode's observation tokens those of the next
-    turn's prefill (each position: the forward that first took it, so a continued or re-prefilled
-    sample keeps its routes); the last response token routes itself. Needs a Qwen3-MoE/Qwen2-MoE policy, hf_infer engines and the
-    padded forward (not `use_dynamic_bsz`); every row runs whole (no shared prompt forward).
+    model's `norm_topk_prob` says), so the router still learns. Each position replays the
+    route of the forward that first took it: prompt tokens their sample's first prefill, an
+    episode's observation tokens the next turn's prefill, so a continued or re-prefilled sample
+    keeps its routes; the last response token routes itself. Needs a Qwen3-MoE/Qwen2-MoE
+    policy on one learner device, hf_infer engines and the padded forward (not
+    `use_dynamic_bsz`); every row runs whole (no shared prompt forward).
     `learner/router_replayed_frac` and `learner/router_differ_frac` (the share of replayed
     token-layers whose own top-k differs from the engine's) are logged. r2 (replay the
     learner's own old-policy routes in the update) is refused: not implemented."""
