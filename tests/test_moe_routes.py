@@ -268,6 +268,10 @@ def _fields(g: TrajectoryGroup) -> dict:
           "actor.use_dynamic_bsz=true"], "packed one"),
         (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
           "actor_infer.strategy_args.strategy_name=sglang"], "only hf_infer"),
+        (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
+          "actor_train.model_args.disable_gradient_checkpointing=false"], "checkpointing off"),
+        (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
+          "actor.use_torch_compile=true"], "use_torch_compile"),
         (["actor_train.model_args.embedded_arch=moe",
           "actor_train.model_args.model_name_or_path=/x"], "empty model_name_or_path"),
         (["actor_infer.model_args.embedded_arch=moe"], "read on actor_train only"),
@@ -284,6 +288,7 @@ def test_r3_on_a_dense_model_directory_is_refused(tmp_path):
     random_qwen2(tmp_path)
     with pytest.raises(ConfigError, match="'qwen2'"):
         load_config(None, ["actor.router_replay=r3",
+                           "actor_train.model_args.disable_gradient_checkpointing=true",
                            f"actor_train.model_args.model_name_or_path={tmp_path}"])  # fmt: skip
 
 

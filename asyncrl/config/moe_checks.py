@@ -49,6 +49,14 @@ def _check_router_replay(cfg: Config) -> None:
     if cfg.actor.use_dynamic_bsz:
         raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
                           "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
+    if train.model_args.actor_checkpointing():
+        # a checkpointed layer's recompute runs in the backward, outside the replayed forward:
+        # its routers would route themselves and the gradients would not be the forward's
+        raise ConfigError(f"{key}: r3 needs activation checkpointing off (set actor_train."
+                          "model_args.disable_gradient_checkpointing: true)")  # fmt: skip
+    if cfg.actor.use_torch_compile:
+        raise ConfigError(f"{key}: r3 replays routes in eager forwards; actor.use_torch_compile "
+                          "is not supported with it")  # fmt: skip
     if len(train.device_mapping) > 1:
         raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
                           "replayed routes is untested)")  # fmt: skip

@@ -257,8 +257,9 @@ class ActorConfig:
     route of the forward that first took it: prompt tokens their sample's first prefill, an
     episode's observation tokens the next turn's prefill, so a continued or re-prefilled sample
     keeps its routes; the last response token routes itself. Needs a Qwen3-MoE/Qwen2-MoE
-    policy on one learner device, hf_infer engines and the padded forward (not
-    `use_dynamic_bsz`); every row runs whole (no shared prompt forward).
+    policy on one learner device, hf_infer engines, the padded forward (not
+    `use_dynamic_bsz`), eager (no `use_torch_compile`) and without activation checkpointing
+    (a recompute in the backward would route itself); every row runs whole.
     `learner/router_replayed_frac` and `learner/router_differ_frac` (the share of replayed
     token-layers whose own top-k differs from the engine's) are logged. r2 (replay the
     learner's own old-policy routes in the update) is refused: not implemented."""
