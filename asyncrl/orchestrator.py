@@ -46,7 +46,8 @@ HAND_OUT_WAIT_S = 0.02
 
 def resolve_model(model_args: ModelArgs) -> Path:
     """The HF model directory: the configured path, or the embedded tiny model (built once per
-    warm-start corpus mix, `model_args.warm_start_mix`)."""
+    warm-start corpus mix, `model_args.warm_start_mix`, and architecture,
+    `model_args.embedded_arch`)."""
     if model_args.model_name_or_path:
         path = Path(model_args.model_name_or_path)
         if not (path / "config.json").exists():
@@ -56,7 +57,8 @@ def resolve_model(model_args: ModelArgs) -> Path:
         return path
     from asyncrl.models.tiny import embedded_spec, ensure_embedded_model
 
-    return ensure_embedded_model(spec=embedded_spec(model_args.warm_start_mix))
+    spec = embedded_spec(model_args.warm_start_mix, model_args.embedded_arch)
+    return ensure_embedded_model(spec=spec)
 
 
 def model_vocab_size(model_dir: Path) -> int:

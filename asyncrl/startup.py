@@ -230,6 +230,7 @@ def rollout_settings(
         transport_secret=transport_secret,
         engine_api_key=engine_api_key,
         engine_router=engine_router,
+        routed_experts=cfg.actor.router_replay == "r3",
         engine_lora=native_lora(cfg.weight_sync, cfg.actor_train.model_args, cfg.output_dir)
         is not None,
     )

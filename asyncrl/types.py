@@ -34,6 +34,10 @@ TOKEN_FIELDS: tuple[tuple[str, type], ...] = (
     ("versions", np.int32),
 )
 
+#: Route value of a position with no recorded experts (`asyncrl.moe.UNROUTED`: the learner
+#: routes it itself); the optional `routes` field's dtype is uint8.
+UNROUTED = 255
+
 # Every array field of a TrajectoryGroup with its dtype (advantages is optional).
 ARRAY_FIELDS: tuple[tuple[str, type], ...] = (
     ("prompt_ids", np.int32),
@@ -55,6 +59,12 @@ class TrajectoryGroup:
     out); `rewards`, `finish_reasons` have one entry per response; `advantages` is either None or
     per token; logprobs, rewards and advantages are finite. Integer fields are cast only when the
     cast is exact (1.5 or 2**40 as a token id is an error, not a silent truncation).
+
+    `routes` (mixture-of-experts policies, `actor.router_replay: r3`): None, or a 2-D uint8
+    array [n * len(prompt_ids) + sum(response_lengths), layers * top_k]: response i's block is
+    its P + R_i positions (prompt, then response), each row the expert ids the engine routed
+    that position to in every MoE layer (layer-major), `UNROUTED` where no engine forwarded it
+    (the last response token; tokens no engine generated).
     """
 
     group_id: str
@@ -68,8 +78,11 @@ class TrajectoryGroup:
     finish_reasons: list[str]
     advantages: np.ndarray | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.routes is not None:
+            self.routes = _as_routes(self.routes)
         for name, dtype in ARRAY_FIELDS:
             value = getattr(self, name)
             if value is not None or name != "advantages":
@@ -105,6 +118,7 @@ class TrajectoryGroup:
             finish_reasons=finish_reasons,
             metadata=metadata,
             advantages=arrays.get("advantages"),
+            routes=arrays.get("routes"),
         )
         group._check()
         return group
@@ -130,6 +144,14 @@ class TrajectoryGroup:
                 f"group {gid}: {n} responses but {len(self.rewards)} rewards and "
                 f"{len(self.finish_reasons)} finish_reasons"
             )
+        if self.routes is not None:
+            rows = n * len(self.prompt_ids) + total
+            r = self.routes
+            if r.ndim != 2 or r.dtype != np.uint8 or r.shape[0] != rows or r.shape[1] < 1:
+                raise RecordError(
+                    f"group {gid}: routes must be uint8 [{rows}, layers * top_k] (n x prompt + "
+                    f"response tokens), got {r.dtype} {tuple(r.shape)}"
+                )
         self._check_values()
 
     def _check_values(self) -> None:
@@ -171,6 +193,9 @@ class TrajectoryGroup:
                 return False
             if a is not None and (a.dtype != b.dtype or not np.array_equal(a, b)):
                 return False
+        a, b = self.routes, other.routes
+        if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+            return False
         return True
 
     __hash__ = None  # type: ignore[assignment]  # mutable record with array fields
@@ -188,7 +213,10 @@ class TrajectoryGroup:
     @property
     def nbytes(self) -> int:
         """Bytes held by the array fields (what the codec sends as side buffers)."""
-        return sum(getattr(self, k).nbytes for k, _ in ARRAY_FIELDS if getattr(self, k) is not None)
+        routes = 0 if self.routes is None else self.routes.nbytes
+        return routes + sum(
+            getattr(self, k).nbytes for k, _ in ARRAY_FIELDS if getattr(self, k) is not None
+        )
 
     def offsets(self) -> np.ndarray:
         """Start of each response in the flat arrays, plus the end: length n + 1."""
@@ -198,6 +226,13 @@ class TrajectoryGroup:
         """One response's slice of a flat token field (a view, not a copy)."""
         off = self.offsets()
         return getattr(self, name)[off[i] : off[i + 1]]
+
+    def route_block(self, i: int) -> np.ndarray:
+        """Response i's routes [P + R_i, layers * top_k] (a view; `routes` must be set)."""
+        if self.routes is None:
+            raise RecordError(f"group {self.group_id} carries no routes")
+        start = i * len(self.prompt_ids) + int(self.offsets()[i])
+        return self.routes[start : start + len(self.prompt_ids) + int(self.response_lengths[i])]
 
     def min_version(self) -> int:
         """The oldest policy version that generated any token here (staleness is measured
@@ -219,7 +254,9 @@ class TrajectoryGroup:
     ) -> TrajectoryGroup:
         """Build from per-response dicts with keys `response_ids`, `rollout_logprobs`,
         `versions`, `reward`, `finish_reason` and optionally `loss_mask`, `advantages`
-        (advantages are kept only if every response has them)."""
+        (advantages are kept only if every response has them), and `routes` ([rows, layers *
+        top_k], the rows the engine recorded from position 0: kept, padded with `UNROUTED` to
+        the response's P + R positions, only if every response has them)."""
         cat = _concat_field
         has_adv = bool(responses) and all("advantages" in r for r in responses)
         ones = [{"loss_mask": np.ones(len(r["response_ids"]), np.uint8), **r} for r in responses]
@@ -235,6 +272,7 @@ class TrajectoryGroup:
             finish_reasons=[r["finish_reason"] for r in responses],
             advantages=cat(responses, "advantages", np.float32) if has_adv else None,
             metadata=dict(metadata or {}),
+            routes=_route_blocks(len(prompt_ids), responses),
         )
 
     def iter_responses(self) -> Iterator[dict[str, Any]]:
@@ -277,6 +315,44 @@ def _concat_field(responses: Sequence[Mapping[str, Any]], key: str, dtype: type)
     if any(p.ndim != 1 for p in parts):
         raise RecordError(f"{key} of every response must be 1-D")
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _route_blocks(prompt_len: int, responses: Sequence[Mapping[str, Any]]) -> np.ndarray | None:
+    """The responses' recorded routes, each padded with `UNROUTED` to its P + R rows."""
+    if not responses or not all(r.get("routes") is not None for r in responses):
+        return None
+    recorded = [np.asarray(r["routes"]) for r in responses]
+    if any(a.ndim != 2 for a in recorded):
+        raise RecordError("routes of every response must be 2-D [positions, layers * top_k]")
+    widths = {a.shape[1] for a in recorded if len(a)}  # an empty one (no position) has none
+    if len(widths) > 1:
+        raise RecordError(f"routes of one group must have one width, got {sorted(widths)}")
+    if not widths:
+        return None
+    width = widths.pop()
+    blocks = []
+    for r, a in zip(responses, recorded, strict=True):
+        rows = prompt_len + len(r["response_ids"])
+        if len(a) > rows:
+            raise RecordError(f"{len(a)} routed positions for a response of {rows} tokens")
+        block = np.full((rows, width), UNROUTED, np.uint8)
+        if len(a):
+            block[: len(a)] = _as_routes(a)
+        blocks.append(block)
+    return np.concatenate(blocks)
+
+
+def _as_routes(value: Any) -> np.ndarray:
+    """`value` as the C-contiguous uint8 2-D array `routes` holds (cast only when exact)."""
+    arr = np.asarray(value)
+    if arr.ndim != 2:
+        raise RecordError(f"routes must be 2-D [positions, layers * top_k], got {arr.shape}")
+    if arr.dtype != np.uint8:
+        if arr.size and arr.dtype.kind not in "iu":
+            raise RecordError(f"routes must hold integers, got dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() > UNROUTED):
+            raise RecordError(f"routes must hold expert ids in [0, {UNROUTED}]")
+    return np.ascontiguousarray(arr, dtype=np.uint8)
 
 
 _DTYPES: dict[type, np.dtype] = {t: np.dtype(t) for _, t in ARRAY_FIELDS}

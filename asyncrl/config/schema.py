@@ -74,6 +74,11 @@ class ModelArgs:
     adds random-policy FrozenLake play (valid moves, never a solution). Empty: the default
     embedded model. A non-empty mix is another model, built once and cached under its own key.
     actor_train only, and only with an empty `model_name_or_path`."""
+    embedded_arch: Literal["dense", "moe"] = "dense"
+    """The embedded model's architecture (empty `model_name_or_path` only): dense, a tiny
+    Qwen2; moe, a tiny Qwen3-MoE (8 routed experts in each of its 2 layers, top-2, no shared
+    expert), warm-started on the same task and cached under its own key (`models/tiny.py`).
+    actor_train only: every other role follows actor_train's model."""
 
     def actor_checkpointing(self) -> bool:
         """Whether actor_train checkpoints activations (`disable_gradient_checkpointing`)."""

@@ -246,6 +246,23 @@ class ActorConfig:
     (`model_args.disable_gradient_checkpointing`: HF's checkpointed layers drop the cache);
     with packing (`use_dynamic_bsz`), checkpointing on or another learner every row runs
     whole. false: always run every row whole."""
+    router_replay: Literal["off", "r2", "r3"] = "off"
+    """Routing replay for mixture-of-experts policies (verl's names). off: the learner's
+    forward routes every token itself (its top-k may differ from the engine's: a share of the
+    train/inference mismatch). r3 (rollout routing replay): the engines return each position's
+    routed experts (SGLang's `return_routed_experts`), they travel with the group, and the
+    fsdp2_train learner's forwards use them: each token's experts are the engine's, their
+    weights the learner's own router probabilities of those experts (renormalised as the
+    model's `norm_topk_prob` says), so the router still learns. Each position replays the
+    route of the forward that first took it: prompt tokens their sample's first prefill, an
+    episode's observation tokens the next turn's prefill, so a continued or re-prefilled sample
+    keeps its routes; the last response token routes itself. Needs a Qwen3-MoE/Qwen2-MoE
+    policy on one learner device, hf_infer engines, the padded forward (not
+    `use_dynamic_bsz`), eager (no `use_torch_compile`) and without activation checkpointing
+    (a recompute in the backward would route itself); every row runs whole.
+    `learner/router_replayed_frac` and `learner/router_differ_frac` (the share of replayed
+    token-layers whose own top-k differs from the engine's) are logged. r2 (replay the
+    learner's own old-policy routes in the update) is refused: not implemented."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one packed micro-batch per device with `use_dynamic_bsz` (> 0); a
     sequence longer than the budget gets a micro-batch of its own. A micro-batch is one packed

@@ -24,6 +24,7 @@ from asyncrl.config.learner_checks import (
     check_reference,
     check_unread_sizes,
 )
+from asyncrl.config.moe_checks import check_moe
 from asyncrl.config.plan import derive_plan
 from asyncrl.config.rules import (  # the name tables are re-exported: tests read them here
     ADV_ESTIMATORS,
@@ -80,6 +81,7 @@ def validate(cfg: Config) -> None:
     check_unread_sizes(cfg)
     check_lora(cfg)
     check_packing(cfg)
+    check_moe(cfg)
     derive_plan(cfg)  # the step plan: sizes that contradict each other are refused
     if cfg.env is not None:
         _check_env(cfg)

@@ -258,7 +258,7 @@ class EngineClient:
         return generate_body(reqs, batched, namespace, lora_path, keys)
 
     def _completion(self, data: object, req: GenerateRequest, lora: int | None) -> Completion:
-        completion = parse_completion(self.url, data, req.return_logprob)
+        completion = parse_completion(self.url, data, req.return_logprob, req.return_routed_experts)
         self.saw_version(completion.version)
         if lora is not None:  # every token was sampled by the adapter the request named
             completion = replace(completion, weight_version=str(lora), output_token_versions=None)

@@ -4,17 +4,24 @@ errors, and `/generate` replies checked into `Completion`s.
 Every reply is checked before it is trusted: a malformed one raises `EngineReplyError` naming
 the engine URL and what is wrong. Per-token weight versions come from SGLang's spans
 (`meta_info["weight_versions"]`, 0.5.23) or asyncrl's hf server's per-token list; otherwise
-every token gets the request's final `weight_version`.
+every token gets the request's final `weight_version`. Routed experts (mixture-of-experts
+policies, `return_routed_experts`): SGLang's `meta_info["routed_experts"]`, base64 of int32
+[prompt + output - 1, layers, top_k], become a uint8 [positions, layers * top_k] array
+(`parse_routes`), every id checked.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 FINISH_TYPES = ("stop", "length", "abort")
 
@@ -65,6 +72,8 @@ class GenerateRequest:
     extra_key: str | None = None
     """SGLang's prefix-cache namespace; None: the client's own, from the weight version
     (`cache_namespace`)."""
+    return_routed_experts: bool = False
+    """Ask for each position's routed experts (SGLang's field; a mixture-of-experts policy)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class Completion:
     output_token_versions: list[str] | None = None  # hf server, or SGLang's version spans
     abort_status: int | None = None  # an abort's HTTP-like status (SGLang: 400 = bad input)
     abort_message: str = ""
+    routed_experts: np.ndarray | None = None  # uint8 [positions, layers * top_k] (asked for)
 
     @property
     def version(self) -> int | None:
@@ -105,7 +115,9 @@ class Completion:
         return [self.version] * len(self.output_ids)
 
 
-def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
+def parse_completion(
+    url: str, obj: object, want_logprob: bool, want_routes: bool = False
+) -> Completion:
     """Check one /generate reply item and turn it into a Completion."""
 
     def bad(problem: str) -> EngineReplyError:
@@ -137,7 +149,12 @@ def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
         raise bad("output_token_weight_versions is not one version per output token")
     if versions is not None and not all(_is_version(v) for v in versions):
         raise bad("output_token_weight_versions holds a non-integer version")
+    routes = None
+    if want_routes:
+        rows = prompt_tokens + len(out) - 1 if out else 0
+        routes = parse_routes(meta.get(ROUTES_REPLY_KEY), rows, bad)
     return Completion(
+        routed_experts=routes,
         output_ids=out,
         output_logprobs=logprobs,
         finish_reason=finish["type"],
@@ -148,6 +165,35 @@ def parse_completion(url: str, obj: object, want_logprob: bool) -> Completion:
         abort_status=finish.get("status_code") if _is_int(finish.get("status_code")) else None,
         abort_message=str(finish.get("message") or "") if finish["type"] == "abort" else "",
     )
+
+
+#: The reply's meta_info key of the routed experts (SGLang's).
+ROUTES_REPLY_KEY = "routed_experts"
+#: Expert ids travel as uint8; 255 marks a position without routes (`types.UNROUTED`).
+MAX_EXPERT_ID = 254
+
+
+def parse_routes(value: object, rows: int, bad) -> np.ndarray:
+    """`meta_info["routed_experts"]` (base64 of int32 [rows, layers, top_k]) as uint8
+    [rows, layers * top_k]; `rows`: the positions it must cover (prompt + output - 1). With
+    no output token (`rows` 0: an abort before or at its prefill) nothing is kept: the
+    continuation's reply covers those positions."""
+    if not isinstance(value, str):
+        raise bad(f"return_routed_experts was set but {ROUTES_REPLY_KEY} is not a base64 string")
+    if rows == 0:
+        return np.zeros((0, 1), np.uint8)
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{ROUTES_REPLY_KEY} is not valid base64") from None
+    if len(raw) % 4:
+        raise bad(f"{ROUTES_REPLY_KEY} holds {len(raw)} bytes, not int32 values")
+    ids = np.frombuffer(raw, dtype="<i4")
+    if ids.size == 0 or ids.size % rows:
+        raise bad(f"{ROUTES_REPLY_KEY} holds {ids.size} ids, not a multiple of {rows} positions")
+    if int(ids.min()) < 0 or int(ids.max()) > MAX_EXPERT_ID:
+        raise bad(f"{ROUTES_REPLY_KEY} holds an expert id outside [0, {MAX_EXPERT_ID}]")
+    return ids.astype(np.uint8).reshape(rows, ids.size // rows)
 
 
 def _spans_to_tokens(spans: object, n: int, bad) -> list[str]:
@@ -202,7 +248,8 @@ def as_request(url: str, d: GenerateRequest | dict) -> GenerateRequest:
     """A generate request: a GenerateRequest as it is, or one made of a dict of its keys."""
     if isinstance(d, GenerateRequest):
         return d
-    unknown = set(d) - {"input_ids", "sampling_params", "rid", "return_logprob", "extra_key"}
+    known = {"input_ids", "sampling_params", "rid", "return_logprob", "extra_key"}
+    unknown = set(d) - known - {"return_routed_experts"}
     if unknown or "input_ids" not in d:
         raise ValueError(
             f"generate request for {url}: bad keys {sorted(unknown) or 'no input_ids'}"
@@ -213,6 +260,7 @@ def as_request(url: str, d: GenerateRequest | dict) -> GenerateRequest:
         rid=d.get("rid"),
         return_logprob=bool(d.get("return_logprob", True)),
         extra_key=d.get("extra_key"),
+        return_routed_experts=bool(d.get("return_routed_experts", False)),
     )
 
 
@@ -264,6 +312,10 @@ def generate_body(
         "return_logprob": each(lambda r: r.return_logprob),
         "logprob_start_len": -1,
     }
+    if any(r.return_routed_experts for r in reqs):  # only then: SGLang before 0.5.10 lacks it
+        # ONE bool per body, batched too: SGLang hands each item the body's value as it is
+        # (a list would reach every item whole); an item that did not ask ignores its routes
+        body["return_routed_experts"] = True
     if any(r.rid is not None for r in reqs):
         body["rid"] = each(lambda r: r.rid or uuid.uuid4().hex)
     body |= dict(keys or {})

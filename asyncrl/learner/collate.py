@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asyncrl.types import NOT_GENERATED, RecordError, TrajectoryGroup
+from asyncrl.types import NOT_GENERATED, UNROUTED, RecordError, TrajectoryGroup
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -39,6 +39,9 @@ class Batch:
     group_index: np.ndarray  # [B] int64: position of the row's group in collate's input
     prompt_lengths: np.ndarray  # [B] int64
     response_lengths: np.ndarray  # [B] int64
+    # [B, P+R, layers * top_k] uint8: each position's routed experts (`UNROUTED` where none);
+    # None when no group carries routes (a dense policy, or `actor.router_replay` off)
+    routes: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -56,7 +59,11 @@ class Batch:
         """The batch as torch tensors (same names, same dtypes) on `device`."""
         import torch  # deferred: this module must not import torch at load time
 
-        return {f.name: torch.from_numpy(getattr(self, f.name)).to(device) for f in fields(self)}
+        return {
+            f.name: torch.from_numpy(getattr(self, f.name)).to(device)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
 
 
 def collate(groups: Sequence[TrajectoryGroup], pad_id: int = 0) -> Batch:
@@ -81,6 +88,7 @@ def collate(groups: Sequence[TrajectoryGroup], pad_id: int = 0) -> Batch:
         prompt_lengths=np.zeros(rows, i64),
         response_lengths=np.zeros(rows, i64),
     )
+    batch.routes = _route_array(groups, rows, p + r)
     row = 0
     for index, group in enumerate(groups):
         _fill_group(batch, group, index, row, p)
@@ -105,7 +113,22 @@ def _fill_group(b: Batch, g: TrajectoryGroup, index: int, row: int, p: int) -> N
     b.versions[r, c] = g.versions
     if g.advantages is not None:
         b.advantages[r, c] = g.advantages
+    if b.routes is not None and g.routes is not None:
+        for i in range(g.n):  # the block's P + R_i positions end where the row's tokens do
+            block = g.route_block(i)
+            b.routes[row + i, p - plen : p - plen + len(block)] = block
     b.rewards[rows] = g.rewards
     b.group_index[rows] = index
     b.prompt_lengths[rows] = plen
     b.response_lengths[rows] = lengths
+
+
+def _route_array(groups: list[TrajectoryGroup], rows: int, width: int) -> np.ndarray | None:
+    """`UNROUTED` routes [rows, width, layers * top_k] when any group carries routes (groups
+    without them route every position themselves); None when none does."""
+    ids = {g.routes.shape[1] for g in groups if g.routes is not None}
+    if not ids:
+        return None
+    if len(ids) > 1:
+        raise RecordError(f"groups carry routes of different widths {sorted(ids)}")
+    return np.full((rows, width, ids.pop()), UNROUTED, np.uint8)

@@ -21,7 +21,7 @@ import torch
 
 from asyncrl.algo.kl import entropy_from_logits
 from asyncrl.config.schema import ActorConfig
-from asyncrl.learner import chunked, packing
+from asyncrl.learner import chunked, packing, routing
 from asyncrl.learner.chunked import Projection, forward, output_head, picked
 
 Logits = chunked.Logits
@@ -45,13 +45,14 @@ def response_logits(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
     """Logits [B, R, V] that predict each response token."""
     resp_len = tensors["response_mask"].shape[1]
     prompt_len = tensors["input_ids"].shape[1] - resp_len
-    out = forward(
-        model,
-        input_ids=tensors["input_ids"],
-        attention_mask=tensors["attention_mask"],
-        position_ids=tensors["position_ids"],
-        use_cache=False,
-    )
+    with routing.replay(model, tensors.get("routes")):  # MoE with R3: the engine's routes
+        out = forward(
+            model,
+            input_ids=tensors["input_ids"],
+            attention_mask=tensors["attention_mask"],
+            position_ids=tensors["position_ids"],
+            use_cache=False,
+        )
     return picked(model, out, lambda x: x[:, prompt_len - 1 : prompt_len - 1 + resp_len])
 
 
@@ -316,6 +317,8 @@ def trimmed(tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, t
     keep_resp = int(used[-1]) + 1 if used.numel() else 1
     out = {k: sub[k][:, first : prompt_len + keep_resp] for k in _FORWARD_KEYS[:3]}
     out["response_mask"] = sub["response_mask"][:, :keep_resp]
+    if tensors.get("routes") is not None:  # replayed routes: per position, cut the same way
+        out["routes"] = tensors["routes"][rows][:, first : prompt_len + keep_resp]
     return out
 
 

@@ -5,6 +5,9 @@ The task format: prompt ``12+345=`` (raw) or the chat-templated user message; th
 the answer digits followed by ``<|im_end|>`` (the EOS token). Everything is built locally, no hub.
 `model_args.warm_start_mix` adds environment idioms to the corpus (`mix.py`): another model,
 cached under its own key; without a mix the model and its key are the ones from before mixes.
+`model_args.embedded_arch: moe` builds the same task's model as a tiny Qwen3-MoE (routed experts
+in every layer, top-k routing, no shared expert): again its own model under its own key, the
+dense default's key unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ CODE_VERSION = 1
 # so the default model's key (and its cached directory) never moves with it.
 MIX_VERSION = 1
 MIX_FIELDS = ("mix", "mix_episodes", "mix_fraction", "mix_batch_size")
+# The MoE variant's fields: part of the key of the MoE model only (the dense key never moves).
+MOE_FIELDS = ("arch", "num_experts", "experts_per_token", "moe_intermediate_size")
+ARCHS = ("dense", "moe")
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = (PAD, IM_START, IM_END, UNK)
 MARKER = "asyncrl_embedded.json"  # written last: its presence means the directory is complete
@@ -75,6 +81,10 @@ class TinyModelSpec:
     mix_episodes: int = 4000  # corpus episodes per mix
     mix_fraction: float = 0.2  # share of warm-start steps that take a batch of mix episodes
     mix_batch_size: int = 16  # episodes per mix batch (each is ~10x an arithmetic example)
+    arch: str = "dense"  # "dense": Qwen2; "moe": Qwen3-MoE, experts in every layer
+    num_experts: int = 8  # MoE only: routed experts per layer
+    experts_per_token: int = 2  # MoE only: top-k of the router
+    moe_intermediate_size: int = 128  # MoE only: each expert's MLP width
 
     def digest(self) -> str:
         spec = asdict(self)
@@ -83,6 +93,9 @@ class TinyModelSpec:
         else:  # without a mix the key is the one it was before mixes existed
             for name in MIX_FIELDS:
                 del spec[name]
+        if self.arch == "dense":  # likewise the dense key is the one from before MoE
+            for name in MOE_FIELDS:
+                del spec[name]
         blob = json.dumps({"spec": spec, "code": CODE_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -90,11 +103,15 @@ class TinyModelSpec:
 DEFAULT_SPEC = TinyModelSpec()
 
 
-def embedded_spec(mix: Sequence[str] = ()) -> TinyModelSpec:
+def embedded_spec(mix: Sequence[str] = (), arch: str = "dense") -> TinyModelSpec:
     """The spec of the embedded model with ``mix`` (`model_args.warm_start_mix`) in its
-    warm-start corpus: the default spec itself when the mix is empty."""
+    warm-start corpus and architecture ``arch`` (`model_args.embedded_arch`): the default spec
+    itself for an empty mix and the dense architecture."""
+    if arch not in ARCHS:
+        raise ValueError(f"embedded_arch: unknown {arch!r} (known: {', '.join(ARCHS)})")
     names = mixes.canonical(mix)
-    return replace(DEFAULT_SPEC, mix=names) if names else DEFAULT_SPEC
+    spec = replace(DEFAULT_SPEC, mix=names) if names else DEFAULT_SPEC
+    return replace(spec, arch=arch) if arch != "dense" else spec
 
 
 def build_tokenizer() -> Any:
@@ -121,12 +138,34 @@ def build_tokenizer() -> Any:
     return tok
 
 
-def build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
-    """A randomly initialised tiny Qwen2 causal LM (tied embeddings, fp32)."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _model_class(spec: TinyModelSpec) -> tuple[Any, Any, dict[str, Any]]:
+    """(config class, model class, architecture-specific config kwargs) of ``spec.arch``."""
+    import transformers as tf
 
-    config = Qwen2Config(
+    if spec.arch == "dense":
+        return tf.Qwen2Config, tf.Qwen2ForCausalLM, {}
+    if spec.arch != "moe":
+        raise ValueError(f"embedded_arch: unknown {spec.arch!r} (known: {', '.join(ARCHS)})")
+    moe = {
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.experts_per_token,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "norm_topk_prob": True,  # Qwen3-MoE's released models renormalise the top-k
+        "decoder_sparse_step": 1,  # every layer routed: replay has something in each
+        "head_dim": spec.hidden_size // spec.num_heads,
+        "router_aux_loss_coef": 0.0,  # no auxiliary loss: the warm start is plain CE
+    }
+    return tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, moe
+
+
+def build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
+    """A randomly initialised tiny Qwen2 (or, ``spec.arch == "moe"``, Qwen3-MoE) causal LM
+    (tied embeddings, fp32)."""
+    import torch
+    from transformers import GenerationConfig
+
+    config_class, model_class, extra = _model_class(spec)
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -138,9 +177,10 @@ def build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )

@@ -6,7 +6,10 @@ generates from the ids of the whole history, the generated ids are appended exac
 (with their logprobs and weight versions), the decoded text goes to `env.step`, and the next
 observation's templated ids are appended (loss mask 0, version NOT_GENERATED, logprob 0). The
 history is never re-tokenized (see `chat_tokens.py`), so the ids the learner recomputes on are
-the ids the engine sampled from. The response is everything after the prompt. Limits:
+the ids the engine sampled from. The response is everything after the prompt. Routed experts (asked
+for with `actor.router_replay: r3`): each position keeps the route of the forward that first
+took it: a generated token's from its turn, an observation's from the next turn's prefill, the
+last position none (the learner routes it). Limits:
 `env.max_turns` model turns and `response_length` response tokens in all.
 
 Faults (nothing disappears silently):
@@ -48,6 +51,7 @@ from asyncrl.rollout.settings import (
     request_seed,
     sampling_params,
 )
+from asyncrl.rollout.single_turn import keep_routes
 from asyncrl.types import NOT_GENERATED, TrajectoryGroup
 
 MAX_CONTINUATIONS = 4  # an aborted turn (pause_mode abort) is continued from its partial output
@@ -78,6 +82,9 @@ class Episode:
     solved: bool = False
     invalid_actions: int = 0
     observation_tokens: int = 0
+    # routed experts from position 0 (`actor.router_replay: r3`): each position keeps the
+    # route of the forward that first took it (an observation's: the next turn's prefill)
+    routes: np.ndarray | None = None
 
     @property
     def failed(self) -> bool:
@@ -122,6 +129,7 @@ class TurnOutput:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    routes: np.ndarray | None = None  # the context's and the turn's positions (asked for)
 
 
 def run_in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -236,6 +244,7 @@ class EpisodeBuilder:
                 ep.finish_reason = "length"
                 return
             ep.add_generated(out.ids, out.logprobs, out.versions)
+            ep.routes = keep_routes(ep.routes, out.routes)
             text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
             try:
                 obs, reward, done, info = check_step(await self._env_call(env.step, text))
@@ -273,6 +282,8 @@ class EpisodeBuilder:
             seed = request_seed(s.seed, f"{key}/t{turn}/c{attempt}", index)
             params = sampling_params(s.generating, max_new - len(out.ids), seed, self.greedy)
             request = {"input_ids": context + out.ids, "sampling_params": params}
+            if s.routed_experts:
+                request["return_routed_experts"] = True
             c = await client.generate_one({**request, "return_logprob": True}, **self._request_keys)
             if c.finish_reason == "abort" and c.abort_status is not None and c.abort_status < 500:
                 # SGLang's answer to a context at its limit (status 400): the episode has no
@@ -282,6 +293,7 @@ class EpisodeBuilder:
             out.ids += c.output_ids
             out.logprobs += c.output_logprobs
             out.versions += c.token_versions()
+            out.routes = keep_routes(out.routes, c.routed_experts)
             out.finish_reason = c.finish_reason
             if c.finish_reason != "abort" or len(out.ids) >= max_new:
                 break
@@ -308,6 +320,7 @@ class EpisodeBuilder:
                 "loss_mask": np.asarray(ep.mask if ok else [0] * len(ep.ids), np.uint8),
                 "reward": ret,
                 "finish_reason": ep.finish_reason,
+                "routes": ep.routes,
                 **({} if adv is None else {"advantages": adv}),
             }
             for ep, ok, ret, adv in zip(episodes, valid, returns, advantages, strict=True)

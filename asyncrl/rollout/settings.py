@@ -58,6 +58,9 @@ class RolloutSettings:
     engine_lora: bool = False
     """`weight_sync.lora_sync: native`: every request names the engines' current LoRA adapter
     (`EngineClient(lora=True)`)."""
+    routed_experts: bool = False
+    """`actor.router_replay: r3`: every request asks its engine for the routed experts of
+    each position (`return_routed_experts`); they travel in the group (`routes`)."""
     retry_attempts: int = 4
     """Tries of a prompt in the worker on a retriable error (engine busy or unreachable,
     timeouts) before it is reported failed and re-issued by the dispatcher."""

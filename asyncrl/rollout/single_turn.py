@@ -55,6 +55,7 @@ async def generate_continued(client: Any, request: dict, max_new: int, first: An
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    routes = None  # routed experts from position 0 (asked for): kept, the continuation's after
     for attempt in range(MAX_CONTINUATIONS + 1):
         if attempt == 0 and first is not None:
             c = first
@@ -67,6 +68,7 @@ async def generate_continued(client: Any, request: dict, max_new: int, first: An
         out_ids += c.output_ids
         logprobs += c.output_logprobs
         versions += c.token_versions()
+        routes = keep_routes(routes, c.routed_experts)
         if c.finish_reason != "abort":
             break
         if len(out_ids) >= max_new:  # cut exactly at the budget: it ended by length
@@ -80,7 +82,25 @@ async def generate_continued(client: Any, request: dict, max_new: int, first: An
         output_logprobs=logprobs,
         output_token_versions=[str(v) for v in versions],
         prompt_tokens=len(request["input_ids"]),
+        routed_experts=routes,
     )
+
+
+def keep_routes(kept: np.ndarray | None, new: np.ndarray | None) -> np.ndarray | None:
+    """The routes of a sample continued after an abort: the positions recorded already keep
+    their routes (what the engine used when it sampled the next token), the continuation's
+    reply (which prefilled them again, maybe with newer weights) adds only those after them."""
+    if new is None:
+        return kept
+    if kept is None or len(kept) == 0:
+        return new
+    if len(new) <= len(kept):
+        return kept
+    if new.shape[1] != kept.shape[1]:
+        raise PermanentRolloutError(
+            f"routed experts of {kept.shape[1]} and then {new.shape[1]} ids per position"
+        )
+    return np.concatenate([kept, new[len(kept) :]])
 
 
 class GroupBuilder:
@@ -107,6 +127,7 @@ class GroupBuilder:
                     s.generating, s.max_new_tokens, request_seed(s.seed, item.key, i)
                 ),
                 "return_logprob": True,
+                **({"return_routed_experts": True} if s.routed_experts else {}),
             }
             for i in range(s.n)
         ]
@@ -130,6 +151,7 @@ class GroupBuilder:
                     "versions": c.token_versions(),
                     "reward": reward,
                     "finish_reason": c.finish_reason,
+                    "routes": c.routed_experts,
                 }
             )
         rewards = np.array([r["reward"] for r in responses], dtype=np.float32)

@@ -39,6 +39,7 @@ from asyncrl.transport.frames import (
     GROUP_ARRAYS,
     MAX_FRAMES,
     MAX_MESSAGE_BYTES,
+    ROUTES,
     ArraySpec,
     DecodeError,
     EncodeError,
@@ -99,6 +100,11 @@ def encode_batch(
     if len(with_adv) != 1:
         raise EncodeError("a batch's groups must all carry advantages or none")
     names = [n for n in GROUP_ARRAYS if n != "advantages" or with_adv == {True}]
+    route_widths = {None if g.routes is None else g.routes.shape[1] for g in groups}
+    if len(route_widths) != 1:
+        raise EncodeError("a batch's groups must all carry routes of one width or none")
+    if route_widths != {None}:
+        names.append(ROUTES)
     for g in groups:  # what the record's own validation does not already guarantee
         if not isinstance(g.group_id, str) or not all(type(r) is str for r in g.finish_reasons):
             raise EncodeError("group_id and finish_reasons must be str")
@@ -108,8 +114,9 @@ def encode_batch(
     specs: dict[str, list[Any]] = {}
     for name in names:
         flat = np.concatenate([getattr(g, name) for g in groups])
-        specs[name] = ["numpy", GROUP_ARRAYS[name][1], [len(flat)], len(frames)]
-        frames.append(flat.view(np.uint8))
+        wire = "uint8" if name == ROUTES else GROUP_ARRAYS[name][1]
+        specs[name] = ["numpy", wire, list(flat.shape), len(frames)]
+        frames.append(flat.reshape(-1).view(np.uint8))
     fields = {
         "group_ids": [g.group_id for g in groups],
         "finish_reasons": [g.finish_reasons for g in groups],
@@ -143,6 +150,7 @@ def chunk_groups(groups: Sequence[TrajectoryGroup], budget: int) -> list[list[Tr
             or size + nbytes > budget
             or len(out[-1]) == MAX_BATCH_GROUPS
             or (g.advantages is None) != (out[-1][0].advantages is None)
+            or _route_width(g) != _route_width(out[-1][0])
         ):
             out.append([])
             size = 0
@@ -151,11 +159,18 @@ def chunk_groups(groups: Sequence[TrajectoryGroup], budget: int) -> list[list[Tr
     return out
 
 
+def _route_width(g: TrajectoryGroup) -> int | None:
+    return None if g.routes is None else g.routes.shape[1]
+
+
 def _array_bytes(g: TrajectoryGroup) -> int:
     """`g.nbytes`, from the field dtypes a TrajectoryGroup guarantees (4-byte prompt ids,
     lengths, rewards; 13 bytes a token, 17 with advantages): 6x cheaper than summing."""
     per_token = 13 if g.advantages is None else 17
-    return 4 * len(g.prompt_ids) + 8 * len(g.response_lengths) + per_token * len(g.response_ids)
+    routes = 0 if g.routes is None else g.routes.nbytes
+    return (
+        4 * len(g.prompt_ids) + 8 * len(g.response_lengths) + per_token * len(g.response_ids)
+    ) + routes
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -210,14 +225,27 @@ def _bounds(f: _BatchFields, arrays: dict[str, np.ndarray]) -> dict[str, list[in
         _first_bad(f, arrays, {"prompt": prompt, "resp": resp, "token": []})
     ends = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]  # int64: int32 lengths cannot wrap
     token = [ends[r] for r in resp]
+    bounds = {"prompt": prompt, "resp": resp, "token": token}
+    if ROUTES in arrays:  # each group's n x prompt + response positions
+        pos = [n * p + t for n, p, t in zip(f.sizes, f.prompt_lengths, _diffs(token))]
+        bounds[ROUTES] = list(accumulate(pos, initial=0))
+        if len(arrays[ROUTES]) != bounds[ROUTES][-1]:
+            raise DecodeError(
+                f"batch: routes has {len(arrays[ROUTES])} positions, not {bounds[ROUTES][-1]}"
+            )
     for name in arrays.keys() - _NOT_TOKEN_AXIS:
         if len(arrays[name]) != token[-1]:
             raise DecodeError(f"batch: {name} has {len(arrays[name])} tokens, not {token[-1]}")
-    return {"prompt": prompt, "resp": resp, "token": token}
+    return bounds
 
 
-# The axis each array field is cut along: a group's prompt, its responses, or its tokens.
-_AXIS = {"prompt_ids": "prompt", "response_lengths": "resp", "rewards": "resp"}
+def _diffs(starts: list[int]) -> list[int]:
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+# The axis each array field is cut along: a group's prompt, its responses, its tokens, or
+# (routes) its positions.
+_AXIS = {"prompt_ids": "prompt", "response_lengths": "resp", "rewards": "resp", ROUTES: ROUTES}
 _NOT_TOKEN_AXIS = frozenset(_AXIS)
 
 
@@ -246,6 +274,7 @@ def _split(f: _BatchFields, arrays: dict[str, np.ndarray], bounds: dict) -> list
         d = {name: a[axis[i] : axis[i + 1]] for name, a, axis in cuts}
         if not advantages:
             d["advantages"] = None
+        d.setdefault(ROUTES, None)
         d["group_id"], d["finish_reasons"], d["metadata"] = gid, reasons, meta
         group.__dict__.update(d)
         out.append(group)

@@ -131,11 +131,13 @@ def encode_arrays(
 def encode_group(
     group: TrajectoryGroup, *, max_bytes: int = MAX_MESSAGE_BYTES, max_frames: int = MAX_FRAMES
 ) -> list[Any]:
-    """Frames for one TrajectoryGroup: a header and one frame per array field (8, or 9 with
-    advantages)."""
+    """Frames for one TrajectoryGroup: a header and one frame per array field (8, one more
+    with advantages, one more with routes)."""
     arrays = {name: getattr(group, name) for name in GROUP_ARRAYS}
     if arrays["advantages"] is None:
         del arrays["advantages"]
+    if group.routes is not None:  # 2-D uint8 (`frames.ROUTES`): its shape travels in the spec
+        arrays["routes"] = group.routes
     # Only what the record's own validation does not already guarantee is checked here.
     if not isinstance(group.group_id, str) or not all(type(r) is str for r in group.finish_reasons):
         raise EncodeError("group_id and finish_reasons must be str")

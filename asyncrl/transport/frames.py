@@ -216,6 +216,9 @@ GROUP_ARRAYS: dict[str, tuple[np.dtype, str, int]] = {
     for name, d in ARRAY_FIELDS
 }
 GROUP_REQUIRED = frozenset(GROUP_ARRAYS) - {"advantages"}
+#: The one 2-D group array (optional): `TrajectoryGroup.routes`, uint8 [positions, width].
+ROUTES = "routes"
+GROUP_OPTIONAL_2D = frozenset({ROUTES})
 
 
 def import_group_arrays(
@@ -228,14 +231,17 @@ def import_group_arrays(
     group: each check is a plain comparison and its text is built only once it has failed, so
     a valid message pays for no message (a separate fast path would only be a second copy)."""
     count = len(views)
-    if not GROUP_REQUIRED <= specs.keys() <= GROUP_ARRAYS.keys():
+    if not GROUP_REQUIRED <= specs.keys() <= GROUP_ARRAYS.keys() | GROUP_OPTIONAL_2D:
         missing = sorted(GROUP_REQUIRED - specs.keys())
-        extra = sorted(specs.keys() - GROUP_ARRAYS.keys())
+        extra = sorted(specs.keys() - GROUP_ARRAYS.keys() - GROUP_OPTIONAL_2D)
         raise DecodeError(f"group arrays: missing {missing}, unexpected {extra}")
     if len(specs) != count - 1:
         raise DecodeError(f"{len(specs)} arrays but {count - 1} side frames")
     out, used = {}, set()
     for name, spec in specs.items():
+        if name == ROUTES:
+            out[name] = _import_routes(spec, views, count, used)
+            continue
         dtype, wire_name, itemsize = GROUP_ARRAYS[name]
         shape, frame = spec.shape, spec.frame
         if spec.lib != "numpy" or spec.dtype != wire_name or len(shape) != 1:
@@ -257,6 +263,24 @@ def import_group_arrays(
     if len(used) != len(specs):
         raise DecodeError(frame_problem(*_first_reused(specs)))
     return out
+
+
+def _import_routes(
+    spec: ArraySpec, views: list[memoryview], count: int, used: set[int]
+) -> np.ndarray:
+    """The group's `routes`: 2-D numpy uint8 [positions, width >= 1], its own frame."""
+    shape, frame = spec.shape, spec.frame
+    if spec.lib != "numpy" or spec.dtype != "uint8" or len(shape) != 2 or shape[1] < 1:
+        raise DecodeError(
+            f"group array 'routes': expected 2-D numpy uint8 [positions, layers * top_k], "
+            f"got {len(shape)}-D {spec.lib} {spec.dtype} {tuple(shape)}"
+        )
+    if frame >= count or frame in used:
+        raise DecodeError(frame_problem(ROUTES, frame))
+    view = views[frame]
+    check_nbytes(ROUTES, spec, shape[0] * shape[1], view)
+    used.add(frame)
+    return np.frombuffer(view, np.uint8).reshape(shape)
 
 
 def _first_reused(specs: Mapping[str, ArraySpec]) -> tuple[str, int]:

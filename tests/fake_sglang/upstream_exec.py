@@ -160,6 +160,8 @@ def run_generate(io_struct: Any, radix: Any, body: dict) -> dict:
     out = []
     for sub in subs:
         one: dict[str, Any] = {"rid": sub.rid, "extra_key": repr(sub.extra_key), "error": None}
+        # what the request carries on to the scheduler (None: this release has no such field)
+        one["return_routed_experts"] = getattr(sub, "return_routed_experts", None)
         try:
             params = SamplingParams(**(sub.sampling_params or {}))
             params.normalize(None)

@@ -153,6 +153,8 @@ class Seq:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[str] = field(default_factory=list)  # weight version per output token
+    return_routes: bool = False  # `return_routed_experts` (MoE): keep each position's experts
+    routes: list[torch.Tensor] = field(default_factory=list)  # uint8 [rows, layers, k] parts
     finish: dict | None = None
     error: str | None = None  # set when the engine failed the request (answered as HTTP 500)
     generator: random.Random | None = None

@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import torch
 
-from asyncrl.engine.hf import schedule
+from asyncrl.engine.hf import routes, schedule
 from asyncrl.engine.hf.batch import KVBatch, Seq, merge, sample
 from asyncrl.engine.hf.lanes import Lane, Lanes, StepLock, eos_ids
 
@@ -173,6 +173,7 @@ class HFEngine:
             raise ValueError("input_ids is empty")
         if len(seq.prompt) >= self.max_context:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens >= context {self.max_context}")
+        routes.check(self._lanes.live.tap, seq)
 
     def _check_pin(self, seq: Seq) -> None:
         """Caller holds `_cond`: the lanes as `keep_pinned` leaves them, not half-way through

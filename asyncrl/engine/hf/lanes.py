@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import DynamicCache
 
+from asyncrl.engine.hf import routes
 from asyncrl.engine.hf.batch import KVBatch, Seq
 from asyncrl.engine.hf.decoder import lean_forward_for
 from asyncrl.engine.hf.kvcache import decode_cache
@@ -81,6 +82,7 @@ class Lane:
         accepts = inspect.signature(model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self._lean = lean_forward_for(model)  # None: transformers' forward (decoder.py)
+        self.tap = routes.tap_for(model)  # MoE: forwards record routes when asked (routes.py)
 
     @property
     def running(self) -> list[Seq]:
@@ -116,7 +118,10 @@ class Lane:
             mask[i, width - len(r) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        routed = routes.begin(self.tap, seqs)
         logits, kv = self._forward(ids, mask, pos, None)
+        if routed:
+            routes.after_prefill(self.tap, seqs, inverse, width, [len(r) for r in rows])
         if len(first) < len(rows):
             idx = torch.tensor(inverse, device=self.device)
             logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
@@ -129,7 +134,10 @@ class Lane:
         b = self.batch
         assert b is not None
         mask = torch.cat([b.mask, b.mask.new_ones(len(b.seqs), 1)], dim=1)
+        routed = routes.begin(self.tap, b.seqs)
         logits, kv = self._forward(b.last[:, None], mask, b.pos[:, None], b.kv)
+        if routed:
+            routes.after_decode(self.tap, b.seqs)
         b.kv, b.mask, b.pos = kv, mask, b.pos + 1
         return logits
 

@@ -15,6 +15,7 @@ import uuid
 from aiohttp import web
 
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, is_neutral, show
+from asyncrl.engine.hf.routes import REQUEST_KEY as ROUTES_KEY
 from asyncrl.engine.versions import PIN_KEY
 from asyncrl.weights.group import BACKENDS
 
@@ -39,6 +40,7 @@ _GENERATE_NEUTRAL = {
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "rid", "return_logprob"}
 _GENERATE_KEYS |= {"logprob_start_len", "stream", "extra_key", "priority", PIN_KEY}
+_GENERATE_KEYS |= {ROUTES_KEY}  # SGLang's `return_routed_experts` (routes.py)
 #: `extra_key` is SGLang's prefix-cache namespace. This server keeps no prefix cache (every
 #: request prefills its own KV, dropped when it finishes), so no KV is ever shared across
 #: requests, let alone across weight versions: the field is checked (a string, or a list of
@@ -160,6 +162,7 @@ def parse_generate(body: dict, on_done) -> tuple[list[Seq], bool]:
     logprob = _per_item(body, "return_logprob", n, batched, _typed("return_logprob", (bool,)))
     priority = _per_item(body, "priority", n, batched, _priority)
     pins = _per_item(body, PIN_KEY, n, batched, lambda v: version({PIN_KEY: v}, PIN_KEY, False))
+    want_routes = _per_item(body, ROUTES_KEY, n, batched, _typed(ROUTES_KEY, (bool,)))
     return [
         Seq(
             rids[i] or uuid.uuid4().hex,
@@ -169,6 +172,7 @@ def parse_generate(body: dict, on_done) -> tuple[list[Seq], bool]:
             bool(logprob[i]),
             priority=priority[i],
             pin=pins[i],
+            return_routes=bool(want_routes[i]),
         )
         for i in range(n)
     ], batched

@@ -35,6 +35,7 @@ from collections import Counter
 
 from aiohttp import web
 
+from asyncrl.engine.hf import routes
 from asyncrl.engine.hf.batch import RequestError, SamplingParams, Seq, show
 from asyncrl.engine.hf.engine import PAUSE_MODES, EngineDeadError, HFEngine
 from asyncrl.engine.hf.protocol import field, ok_reply, parse_generate, read_json, version
@@ -115,6 +116,8 @@ def _reply(seq: Seq) -> dict:
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)
         ]
+    if seq.return_routes:  # SGLang's field: base64 int32 [prompt + output - 1, layers, k]
+        meta[routes.REPLY_KEY] = routes.reply_field(seq)
     return {"text": "", "output_ids": list(seq.output_ids), "meta_info": meta}
 
 

@@ -24,7 +24,7 @@ from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
-from asyncrl.learner import lean, lora, packing
+from asyncrl.learner import lean, lora, packing, routing
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import objective as obj
 from asyncrl.learner.collate import collate
@@ -91,6 +91,10 @@ class TorchLearner:
         # Each group's prompt once per micro-batch where it may be, in the lean forward where
         # that is taken (`learner/lean.py`); None: every row whole.
         self.logits_fn = lean.training_logits_fn(self.model, train, actor, world_size)
+        self.route_tap = None  # R3: the policy's forwards replay the engines' routes
+        if actor.router_replay == "r3":  # after the reference's copy: it routes itself
+            self.route_tap = routing.enable(self.model)
+            self.logits_fn = None  # every row whole: the shared-prompt forwards take no routes
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -148,6 +152,7 @@ class TorchLearner:
                 "learner/sequences": float(data["response_mask"].shape[0]),
                 # share of the training forwards' tokens that are padding (0: packed)
                 "learner/padding_frac": 0.0 if self.actor.use_dynamic_bsz else pad,
+                **routing.replay_metrics(self.route_tap),
             }
         )
         return metrics

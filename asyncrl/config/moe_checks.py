@@ -1,0 +1,83 @@
+"""Mixture-of-experts settings a run can honour: the embedded MoE model
+(`model_args.embedded_arch`) and routing replay (`actor.router_replay`). One ConfigError line
+each, naming the key and the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asyncrl.config.schema import Config, ConfigError
+
+#: model_type values whose routers `asyncrl.moe` records and replays exactly.
+MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})
+
+
+def check_moe(cfg: Config) -> None:
+    for role in ("actor_infer", "reference", "critic"):
+        worker = getattr(cfg, role)
+        if worker is not None and worker.model_args.embedded_arch != "dense":
+            raise ConfigError(
+                f"{role}.model_args.embedded_arch: picks which embedded model is built, so it "
+                "is read on actor_train only (every other role follows actor_train's model)"
+            )
+    args = cfg.actor_train.model_args
+    if args.embedded_arch != "dense" and args.model_name_or_path:
+        raise ConfigError(
+            "actor_train.model_args.embedded_arch: picks the embedded model, so it needs an "
+            f"empty model_name_or_path (got {args.model_name_or_path!r})"
+        )
+    _check_router_replay(cfg)
+
+
+def _check_router_replay(cfg: Config) -> None:
+    mode, key = cfg.actor.router_replay, "actor.router_replay"
+    if mode == "off":
+        return
+    if mode == "r2":
+        raise ConfigError(
+            f"{key}: r2 (replaying the learner's own old-policy routes in its update) is not "
+            "implemented; r3 replays the engines' routes"
+        )
+    train, infer = cfg.actor_train, cfg.actor_infer
+    if train.strategy_args.strategy_name != "fsdp2_train":
+        raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train learner only "
+                          "(megatron-core's router replay is not wired here)")  # fmt: skip
+    if infer.strategy_args.strategy_name != "hf_infer":
+        raise ConfigError(f"{key}: r3 needs engines that return routed experts; only hf_infer's "
+                          "are read here (SGLang's field is not wired yet)")  # fmt: skip
+    if cfg.actor.use_dynamic_bsz:
+        raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
+                          "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
+    if train.model_args.actor_checkpointing():
+        # a checkpointed layer's recompute runs in the backward, outside the replayed forward:
+        # its routers would route themselves and the gradients would not be the forward's
+        raise ConfigError(f"{key}: r3 needs activation checkpointing off (set actor_train."
+                          "model_args.disable_gradient_checkpointing: true)")  # fmt: skip
+    if cfg.actor.use_torch_compile:
+        raise ConfigError(f"{key}: r3 replays routes in eager forwards; actor.use_torch_compile "
+                          "is not supported with it")  # fmt: skip
+    if len(train.device_mapping) > 1:
+        raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
+                          "replayed routes is untested)")  # fmt: skip
+    _check_moe_model(cfg, key)
+
+
+def _check_moe_model(cfg: Config, key: str) -> None:
+    """The policy must be a mixture of experts whose routers `asyncrl.moe` knows."""
+    args = cfg.actor_train.model_args
+    if not args.model_name_or_path:
+        if args.embedded_arch != "moe":
+            raise ConfigError(f"{key}: r3 needs a mixture-of-experts policy; the embedded model "
+                              "is dense (set actor_train.model_args.embedded_arch: moe)")  # fmt: skip
+        return
+    config = Path(args.model_name_or_path) / "config.json"
+    if not config.is_file():
+        return  # the run refuses a missing model directory itself, with its path
+    try:
+        kind = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the model load says why
+    if kind not in MOE_TYPES:
+        raise ConfigError(f"{key}: r3 needs a mixture-of-experts policy ({sorted(MOE_TYPES)}); "
+                          f"{args.model_name_or_path} is {kind!r}")  # fmt: skip

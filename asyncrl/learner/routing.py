@@ -1,0 +1,54 @@
+"""Rollout routing replay (R3) in the learner's forwards: the model's MoE routers take each
+position's experts from the batch's `routes` (the engine's, `collate`'s layout) instead of
+their own top-k, keeping their own probabilities as the weights (`asyncrl.moe`).
+
+Only the policy whose tap `enable` switched on replays: a frozen reference copied from it, or
+a critic, routes itself (verl replays in the actor only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from asyncrl import moe
+
+
+def enable(model: torch.nn.Module) -> moe.Tap:
+    """Make `model`'s forwards replay the routes the batch carries (RoutesError when its
+    routers are not ones `asyncrl.moe` reproduces)."""
+    tap = moe.install(model)
+    tap.replay_on = True
+    return tap
+
+
+@contextlib.contextmanager
+def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
+    """Inside: `model`'s forward over the batch whose `routes` ([B, T, layers * top_k]) these
+    are replays them, when `enable` was called on it; else nothing changes."""
+    tap = moe.tap_of(model)
+    if routes is None or tap is None or not getattr(tap, "replay_on", False):
+        yield
+        return
+    b, t, width = routes.shape
+    if width != tap.layers * tap.top_k:
+        raise moe.RoutesError(
+            f"routes of {width} ids per position; the policy has {tap.layers} MoE layers, "
+            f"top-k {tap.top_k}"
+        )
+    with tap.replaying(routes.view(b, t, tap.layers, tap.top_k)):
+        yield
+
+
+def replay_metrics(tap: moe.Tap | None) -> dict[str, float]:
+    """The share of routed (token, layer) pairs that were replayed, and of those the share whose
+    own top-k differs from the replayed experts, since the last call."""
+    if tap is None:
+        return {}
+    s = tap.reset_stats()
+    return {
+        "learner/router_replayed_frac": s["replayed"] / max(1, s["routed"]),
+        "learner/router_differ_frac": s["differ"] / max(1, s["replayed"]),
+    }
