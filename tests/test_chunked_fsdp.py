@@ -1,0 +1,78 @@
+"""The chunked LM head under FSDP2 on 2 gloo ranks (`learner/chunked.py`): the head's weight, a
+DTensor sharded over the vocabulary, is gathered for the chunked function's forward and
+backward and its gradient reduce-scattered onto the shards; logprobs, entropy and every
+parameter's gradient equal one process's (fp32, 1e-5), for an untied head and one tied to the
+embedding (whose gradient FSDP2 reduces itself), across two accumulated micro-batches, with an
+odd vocabulary (uneven shards)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from test_packing import _init_method, _leave_group, _spawn_two_ranks
+from test_shared_prompt import _tensors
+
+from asyncrl.learner import chunked
+from asyncrl.learner import logprobs as lp
+
+VOCAB = 67  # odd: the two ranks' vocabulary shards differ in size
+#: Each rank's two micro-batches (row slices of `_tensors()`'s 9 rows): rank 1's differ in size.
+ROWS = [[slice(0, 2), slice(2, 4)], [slice(4, 7), slice(7, 9)]]
+
+
+def _model(tied: bool) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=tied)  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    return model.train()
+
+
+def _micro(model: torch.nn.Module, rows: slice, logits_fn=None) -> tuple[torch.Tensor, ...]:
+    """One micro-batch's loss backward (a policy-gradient term and an entropy bonus, T = 0.7);
+    its logprobs and entropy."""
+    data = _tensors(rows)
+    logp, ent = lp.token_logprobs(model, data, 0.7, True, False, logits_fn)
+    mask = data["response_mask"]
+    ((logp * data["advantages"] + 0.1 * ent) * mask).sum().backward()
+    return logp.detach(), ent.detach()
+
+
+def _rank(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    from asyncrl.learner.torch import fsdp
+
+    results = {}
+    for tied, fn in ((False, None), (True, lp.shared_prompt_logits)):
+        model = fsdp.shard(_model(tied), "cpu")
+        assert chunked.output_head(model) is not None  # the chunked head, not the full logits
+        scores = []
+        for i, rows in enumerate(ROWS[rank]):
+            fsdp.set_gradient_sync(model, i == len(ROWS[rank]) - 1)  # accumulate, then reduce
+            scores.append(_micro(model, rows, fn))
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        results[tied] = {"scores": scores, "grads": grads}
+    torch.save(results, os.path.join(out, f"{rank}.pt"))
+    _leave_group()
+
+
+def test_the_chunked_head_under_fsdp2_equals_one_process(tmp_path):
+    _spawn_two_ranks(_rank, (_init_method(), str(tmp_path)))
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    for tied, fn in ((False, None), (True, lp.shared_prompt_logits)):
+        model = _model(tied)
+        for rank in range(2):
+            for rows, got in zip(ROWS[rank], ranks[rank][tied]["scores"], strict=True):
+                want = _micro(model, rows, fn)
+                torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+                torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+        for name, p in model.named_parameters():  # FSDP2 averages the two ranks' gradients
+            for rank in range(2):
+                got = ranks[rank][tied]["grads"][name]
+                torch.testing.assert_close(got, p.grad / 2, rtol=0, atol=1e-5, msg=name)
