@@ -3,12 +3,15 @@ DTensor sharded over the vocabulary, is gathered for the chunked function's forw
 backward and its gradient reduce-scattered onto the shards; logprobs, entropy and every
 parameter's gradient equal one process's (fp32, 1e-5), for an untied head and one tied to the
 embedding (whose gradient FSDP2 reduces itself), across two accumulated micro-batches, with an
-odd vocabulary (uneven shards)."""
+odd vocabulary (uneven shards). The 2-rank test spawns processes (slow); a one-rank FSDP2
+group in this process runs the same code path (a DTensor weight, its gather and
+reduce-scatter) in the default suite."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from test_packing import _init_method, _leave_group, _spawn_two_ranks
 from test_shared_prompt import _tensors
@@ -62,6 +65,36 @@ def _rank(rank: int, init: str, out: str) -> None:
     _leave_group()
 
 
+def test_the_chunked_head_of_a_one_rank_fsdp2_model_equals_the_plain_model(tmp_path, monkeypatch):
+    from torch.distributed.tensor import DTensor
+
+    from asyncrl.learner.torch import fsdp
+
+    reduced = []
+    shard_grad = chunked._shard_grad
+    monkeypatch.setattr(chunked, "_shard_grad", lambda g, w: reduced.append(1) or shard_grad(g, w))
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    try:
+        for tied in (False, True):
+            model = fsdp.shard(_model(tied), "cpu")
+            assert isinstance(chunked.output_head(model).weight, DTensor)
+            got = [_micro(model, rows) for rows in ROWS[0]]
+            plain = _model(tied)
+            want = [_micro(plain, rows) for rows in ROWS[0]]
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(
+                    p.grad.full_tensor(), q.grad, rtol=0, atol=1e-5, msg=name
+                )
+    finally:
+        torch.distributed.destroy_process_group()
+    assert len(reduced) == 4  # every backward reduced the head's gradient onto its shard
+
+
+@pytest.mark.slow
 def test_the_chunked_head_under_fsdp2_equals_one_process(tmp_path):
     _spawn_two_ranks(_rank, (_init_method(), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
