@@ -37,6 +37,7 @@ learner's rule (`actor.share_prompt_forward`) that picks among them (`--repeats`
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -248,6 +249,7 @@ def _shared_prompt_main(args: Any, argv: list[str] | None) -> int:
     worst = max(max(r["auto_vs_best"], r["hf_auto_vs_best"]) for r in m["rows"])
     result = {**m, "threads": args.threads,
               "headline": {"auto_vs_best_worst": headline(worst, False, "x")}}  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)  # the command names the part
     return finish("train_shared_prompt", result, args, None, argv, bench="train")
 
 

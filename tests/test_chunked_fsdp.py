@@ -14,14 +14,18 @@ import os
 import pytest
 import torch
 from test_packing import _init_method, _leave_group, _spawn_two_ranks
+from test_prompt_rule import _batch
 from test_shared_prompt import _tensors
 
 from asyncrl.learner import chunked
 from asyncrl.learner import logprobs as lp
+from asyncrl.learner import prompt_rule as pr
 
 VOCAB = 67  # odd: the two ranks' vocabulary shards differ in size
 #: Each rank's two micro-batches (row slices of `_tensors()`'s 9 rows): rank 1's differ in size.
 ROWS = [[slice(0, 2), slice(2, 4)], [slice(4, 7), slice(7, 9)]]
+#: (prompt lengths, response length) per rank: alone, rank 0 would run whole, rank 1 shared.
+RULE_SHAPES = [([2], 48), ([40], 2)]
 
 
 def _model(tied: bool) -> torch.nn.Module:
@@ -61,6 +65,9 @@ def _rank(rank: int, init: str, out: str) -> None:
             scores.append(_micro(model, rows, fn))
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         results[tied] = {"scores": scores, "grads": grads}
+    # the shared-prompt rule on shapes whose local choices differ: the ranks agree
+    rule = pr.SharedPromptRule(model, {pr.SHARED: None, pr.WHOLE: None}, agree=True)
+    results["rule"] = rule.choose(_batch(*RULE_SHAPES[rank], n=4))
     torch.save(results, os.path.join(out, f"{rank}.pt"))
     _leave_group()
 
@@ -98,6 +105,11 @@ def test_the_chunked_head_of_a_one_rank_fsdp2_model_equals_the_plain_model(tmp_p
 def test_the_chunked_head_under_fsdp2_equals_one_process(tmp_path):
     _spawn_two_ranks(_rank, (_init_method(), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    costs = pr.model_costs(_model(True))
+    alone = [pr.cheapest([pr.SHARED, pr.WHOLE], pr.path_costs(costs, pr.shape_of(_batch(*shape, n=4)),
+             [pr.SHARED, pr.WHOLE])) for shape in RULE_SHAPES]  # fmt: skip
+    assert alone == [pr.WHOLE, pr.SHARED]
+    assert ranks[0]["rule"] == ranks[1]["rule"]
     for tied, fn in ((False, None), (True, lp.shared_prompt_logits)):
         model = _model(tied)
         for rank in range(2):

@@ -17,9 +17,11 @@ Cost = tokens x 2 (the decoder layers' parameters) + pairs x 4 L H D (QK^T and P
 layer's query heads); backward is ~2x each side, the LM head the same on every path. Why this
 and not a threshold: the shared forward saves (G - 1) / G of the prompt's tokens but, at a
 long response, its masked attention computes R (P + R) pairs where a padding-free whole
-forward computes (P + R)^2 / 2: measured on one CPU thread (embedded-size model, fwd + bwd,
-equal response lengths) prompt 32 / response 1024 ran 1.31x slower shared, while 1024 / 64
-ran 2.9x faster (`asyncrl bench train`'s shared-prompt table holds the model to the clock).
+forward computes (P + R)^2 / 2: measured on one CPU thread (embedded-size model, 8 rows per
+prompt, fwd + bwd, equal response lengths) prompt 32 / response 1024 ran 1.40x slower shared
+under the mask, 1024 / 64 4.8x faster, and the rule's path was within the noise (±4 %) of the
+fastest at all five shapes measured (`asyncrl bench train --shared-prompt`,
+bench/results/train_shared_prompt.json).
 
 With FSDP2 (more than one rank) every forward is a collective, so the ranks sum their costs
 (one all-reduce per micro-batch) and take the same path.
@@ -88,8 +90,9 @@ def model_costs(model: torch.nn.Module) -> Costs:
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     layers = int(cfg.num_hidden_layers)
-    inner = getattr(model, "model", model)
-    blocks = getattr(inner, "layers", None)
+    # the decoder's layer list, wherever a wrapper (peft) keeps it
+    blocks = next((m for n, m in model.named_modules() if n.endswith("layers")
+                   and isinstance(m, torch.nn.ModuleList)), None)  # fmt: skip
     params = sum(p.numel() for p in blocks.parameters()) if blocks is not None else 0
     if not params:  # no `layers` to count: the whole model less its embeddings
         embed = model.get_input_embeddings().weight.numel()
