@@ -16,12 +16,14 @@ import torch
 from test_packing import _init_method, _leave_group, _spawn_two_ranks
 from test_prompt_rule import _batch
 from test_shared_prompt import _tensors
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.learner import chunked
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import prompt_rule as pr
 
 VOCAB = 67  # odd: the two ranks' vocabulary shards differ in size
+HIDDEN = 32
 #: Each rank's two micro-batches (row slices of `_tensors()`'s 9 rows): rank 1's differ in size.
 ROWS = [[slice(0, 2), slice(2, 4)], [slice(4, 7), slice(7, 9)]]
 #: (prompt lengths, response length) per rank: alone, rank 0 would run whole, rank 1 shared.
@@ -32,7 +34,7 @@ def _model(tied: bool) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=tied)  # fmt: skip
     model = Qwen2ForCausalLM(cfg)
     for p in model.parameters():
@@ -72,11 +74,28 @@ def _rank(rank: int, init: str, out: str) -> None:
     _leave_group()
 
 
+class _LargestVocabTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op makes whose last dimension is the
+    vocabulary (logits, their softmax, their gradient), forward and backward."""
+
+    numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or not t.dim() or t.shape[-1] != VOCAB:
+                continue
+            if t.shape != (HIDDEN, VOCAB):  # not the head's weight, transposed
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
 def test_the_chunked_head_of_a_one_rank_fsdp2_model_equals_the_plain_model(tmp_path, monkeypatch):
     from torch.distributed.tensor import DTensor
 
     from asyncrl.learner.torch import fsdp
 
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 2 * 4 * VOCAB)  # two tokens' fp32 logits
     reduced = []
     shard_grad = chunked._shard_grad
     monkeypatch.setattr(chunked, "_shard_grad", lambda g, w: reduced.append(1) or shard_grad(g, w))
@@ -87,7 +106,9 @@ def test_the_chunked_head_of_a_one_rank_fsdp2_model_equals_the_plain_model(tmp_p
         for tied in (False, True):
             model = fsdp.shard(_model(tied), "cpu")
             assert isinstance(chunked.output_head(model).weight, DTensor)
-            got = [_micro(model, rows) for rows in ROWS[0]]
+            with _LargestVocabTensor() as seen:  # 2-token chunks: 4 rows of 5 responses
+                got = [_micro(model, rows) for rows in ROWS[0]]
+            assert 0 < seen.numel <= 2 * 2 * VOCAB  # never [tokens x vocab]: a chunk's two at most
             plain = _model(tied)
             want = [_micro(plain, rows) for rows in ROWS[0]]
             for a, b in zip(got, want, strict=True):
