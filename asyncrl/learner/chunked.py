@@ -25,8 +25,12 @@ The chunked function then gathers the whole [V, H] weight for its forward and ag
 backward (one all-gather each, as FSDP2 does for a layer), and hands autograd the weight's
 gradient as that rank's shard: the [V, H] sum over its chunks reduce-scattered and divided by
 the ranks (FSDP2's gradient average), accumulated into the sharded parameter's gradient beside
-what FSDP2 reduces itself (a tied embedding's). Every rank calls it as many times as it runs
-forwards and backwards (the learner's count, agreed across ranks), so the collectives pair up.
+what FSDP2 reduces itself (a tied embedding's); gathered in the hidden states' dtype (FSDP2's
+mixed-precision compute dtype over fp32 master shards). Where the root keeps its unsharded
+weight from forward to backward instead (seen under a mixed-precision policy), that is a plain
+parameter: the function uses it as on one process and FSDP2 reduces its gradient itself. Every
+rank calls the function as many times as it runs forwards and backwards (the learner's count,
+agreed across ranks), so the collectives pair up.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class Projection:
 
     def logits(self) -> torch.Tensor:
         """The whole [..., V] fp32 logits (what the chunked path avoids; for checks)."""
-        return F.linear(self.hidden, _whole(self.weight), self.bias).float()
+        return F.linear(self.hidden, _whole(self.weight, self.hidden.dtype), self.bias).float()
 
 
 #: The logits that predict response tokens: as a `Projection` (the final hidden states and the
@@ -161,7 +165,7 @@ class _ChunkedScore(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, temperature, with_entropy, chunk):  # noqa: ANN001
         ctx.sharded = weight if _is_dtensor(weight) else None  # FSDP2: gathered again in backward
-        weight = _whole(weight)
+        weight = _whole(weight, hidden.dtype)
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=_acc(weight.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
@@ -187,7 +191,7 @@ class _ChunkedScore(torch.autograd.Function):
     def backward(ctx: Any, g_logp, g_ent):  # noqa: ANN001
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         if ctx.sharded is not None:
-            weight = _whole(ctx.sharded)
+            weight = _whole(ctx.sharded, hidden.dtype)
         t, chunk = ctx.temperature, ctx.chunk
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         acc = _acc(weight.dtype)
@@ -209,9 +213,10 @@ class _ChunkedScore(torch.autograd.Function):
                 add_weight_grad(grad_w, dz, h)
             if want_b:
                 grad_b += dz.to(acc).sum(0)
-        grad_w = grad_w.to(weight.dtype) if want_w else None
-        if want_w and ctx.sharded is not None:
-            grad_w = _shard_grad(grad_w, ctx.sharded)
+        if want_w and ctx.sharded is not None:  # reduced in the master weight's dtype
+            grad_w = _shard_grad(grad_w.to(ctx.sharded.dtype), ctx.sharded)
+        elif want_w:
+            grad_w = grad_w.to(weight.dtype)
         grad_b = grad_b.to(bias.dtype) if want_b else None
         return grad_h, grad_w, grad_b, None, None, None, None
 
@@ -222,9 +227,13 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _whole(weight: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP2-sharded (DTensor) weight (an all-gather), else `weight`."""
-    return weight.full_tensor() if _is_dtensor(weight) else weight
+def _whole(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full tensor of an FSDP2-sharded (DTensor) weight (an all-gather), in `dtype` (the
+    hidden states': FSDP2's mixed-precision compute dtype, the shards being fp32 masters), else
+    `weight`."""
+    if not _is_dtensor(weight):
+        return weight
+    return weight.full_tensor().to(dtype or weight.dtype)
 
 
 def _shard_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -288,7 +297,7 @@ def _check_head(logits: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Linea
     if _is_dtensor(weight):  # this rank's rows of the vocabulary (Shard(0), torch.chunk's split)
         mesh, local = weight.device_mesh, weight.to_local()
         start = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
-        weight, logits = local, logits[..., start : start + local.shape[0]]
+        weight, logits = local.to(hidden.dtype), logits[..., start : start + local.shape[0]]
     mine = torch.nn.functional.linear(hidden, weight, head.bias)
     if not torch.allclose(mine.float(), logits.float(), rtol=1e-2, atol=1e-3):
         raise RuntimeError(
