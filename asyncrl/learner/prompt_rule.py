@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.learner.logprobs import Logits, LogitsFn, prompt_owners
+from asyncrl.learner.logprobs import Logits, LogitsFn
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +60,19 @@ class Shape:
 
 
 def shape_of(tensors: dict[str, torch.Tensor]) -> Shape:
-    """The `Shape` of a padded micro-batch (`collate`'s layout)."""
-    mask = tensors["attention_mask"].bool()
+    """The `Shape` of a padded micro-batch (`collate`'s layout: a group's rows consecutive,
+    sharing their prompt columns). A few small reductions: the embedded model's step is per-op
+    overhead."""
+    mask, groups = tensors["attention_mask"], tensors["group_index"]
     rows, width = mask.shape
     response = tensors["response_mask"].shape[1]
-    heads, _ = prompt_owners(tensors["group_index"])
     return Shape(
         rows=rows,
-        groups=int(heads.numel()),
+        groups=1 + int((groups[1:] != groups[:-1]).sum()),
         prompt=width - response,
         response=response,
         padded=not bool(mask.all()),
-        prompt_padded=not bool(mask[heads, : width - response].all()),
+        prompt_padded=not bool(mask[:, : width - response].all()),
     )
 
 
