@@ -2,7 +2,8 @@
 its own): fwd + bwd of the learner's training forward (logprobs and entropy of every response
 token, a masked policy-gradient loss, backward) on one micro-batch of one group (`--n` rows,
 a `P`-token prompt, `R`-token responses of equal length: no padding, the whole forward's best
-case, SDPA's causal kernel) at several (P, R) shapes, by path:
+case, SDPA's causal kernel; `--ragged`: lengths uniform in [R/2, R], padding, so the whole
+forward attends under a mask too) at several (P, R) shapes, by path:
 
 - shared, mask: each group's prompt once, the responses under a mask over [prompt | response]
   keys (the lean forward; what `actor.share_prompt_forward` always ran before the rule);
@@ -37,14 +38,19 @@ SHAPES = [(32, 1024), (64, 512), (256, 256), (512, 128), (1024, 64)]
 SMOKE_SHAPES = [(8, 64), (64, 8)]
 
 
-def _batch(prompt: int, response: int, n: int, vocab: int) -> dict[str, torch.Tensor]:
+def _batch(prompt: int, response: int, n: int, vocab: int, ragged: bool) -> dict[str, torch.Tensor]:
     import _train_scale as scale
 
     from asyncrl.learner.collate import collate
 
     scale.PROMPT_LEN, before = prompt, scale.PROMPT_LEN
     try:
-        groups = scale.synthetic_groups(1, vocab, lambda rng: np.full(n, response), "shared")
+        lengths = (
+            (lambda rng: rng.integers(response // 2, response + 1, n))
+            if ragged
+            else (lambda rng: np.full(n, response))
+        )
+        groups = scale.synthetic_groups(1, vocab, lengths, "shared")
     finally:
         scale.PROMPT_LEN = before
     data = collate(groups, 0).to_torch("cpu")
@@ -80,7 +86,9 @@ def _step(
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
-def measure(model_dir: Path, n: int, repeats: int, smoke: bool) -> dict[str, Any]:
+def measure(
+    model_dir: Path, n: int, repeats: int, smoke: bool, ragged: bool = False
+) -> dict[str, Any]:
     """Per shape: each path's median seconds, the rules' choices, auto vs the best path."""
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +98,7 @@ def measure(model_dir: Path, n: int, repeats: int, smoke: bool) -> dict[str, Any
     load = [os.getloadavg()[0]]
     rows = []
     for prompt, response in SMOKE_SHAPES if smoke else SHAPES:
-        data = _batch(prompt, response, n, vocab)
+        data = _batch(prompt, response, n, vocab, ragged)
         cpu: dict[str, list[float]] = {k: [] for k in paths}
         wall: dict[str, list[float]] = {k: [] for k in paths}
         for rep in range(repeats + 1):  # the first: warm-up
@@ -111,12 +119,13 @@ def measure(model_dir: Path, n: int, repeats: int, smoke: bool) -> dict[str, Any
             "mask_vs_whole": med["shared, mask"] / med["whole"],
         })  # fmt: skip
         load.append(os.getloadavg()[0])
-    return {"rows": rows, "load_avg_1min": load, "repeats": repeats, "n": n}
+    return {"rows": rows, "load_avg_1min": load, "repeats": repeats, "n": n, "ragged": ragged}
 
 
 def print_result(m: dict[str, Any], print_table: Callable) -> None:
     print_table(
-        f"shared-prompt forward, fwd + bwd of one group of {m['n']} rows, equal response lengths "
+        f"shared-prompt forward, fwd + bwd of one group of {m['n']} rows, "
+        f"{'ragged (R/2..R)' if m['ragged'] else 'equal'} response lengths "
         f"(least CPU s of {m['repeats']}; 1-min load {min(m['load_avg_1min']):.1f}-"
         f"{max(m['load_avg_1min']):.1f})",
         ["P / R", "shared,mask", "shared,causal", "whole", "auto", "auto path", "auto/best",

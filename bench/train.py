@@ -30,7 +30,8 @@ block-diagonal mask (fwd+bwd; target: varlen faster).
                         [--threads 1] [--budget 512] [--row-tokens 8192]
 
 `--shared-prompt` runs only the shared-prompt part (bench/_shared_prompt.py; its own result,
-train_shared_prompt.json): the training forward's fwd + bwd at several (prompt, response)
+train_shared_prompt.json, with `--ragged` train_shared_prompt_ragged.json): the training
+forward's fwd + bwd at several (prompt, response)
 shapes, each group's prompt once (under a mask, or laid out causally), every row whole, and the
 learner's rule (`actor.share_prompt_forward`) that picks among them (`--repeats`, default 3).
 """
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=512, help="packed tokens per micro-batch")
     parser.add_argument("--row-tokens", type=int, default=None, help="the varlen part's row")
     parser.add_argument("--shared-prompt", action="store_true", help="only the shared-prompt part")
+    parser.add_argument("--ragged", action="store_true", help="shared-prompt part: ragged lengths")
     add_threads_flag(parser)
     args = parser.parse_args(argv)
     if args.shared_prompt:
@@ -243,14 +245,16 @@ def _shared_prompt_main(args: Any, argv: list[str] | None) -> int:
         model_dir = args.model or build_model_dir(Path(tmp) / "model", **spec)
         with torch_threads(args.threads):
             m = shared_prompt.measure(
-                model_dir, args.n or 8, args.repeats or (1 if args.smoke else 3), args.smoke
-            )
+                model_dir, args.n or 8, args.repeats or (1 if args.smoke else 3), args.smoke,
+                args.ragged,
+            )  # fmt: skip
     shared_prompt.print_result(m, print_table)
     worst = max(max(r["auto_vs_best"], r["hf_auto_vs_best"]) for r in m["rows"])
     result = {**m, "threads": args.threads,
               "headline": {"auto_vs_best_worst": headline(worst, False, "x")}}  # fmt: skip
     argv = list(sys.argv[1:] if argv is None else argv)  # the command names the part
-    return finish("train_shared_prompt", result, args, None, argv, bench="train")
+    name = "train_shared_prompt" + ("_ragged" if args.ragged else "")
+    return finish(name, result, args, None, argv, bench="train")
 
 
 def _print_scale(pk: dict[str, Any], fs: dict[Any, Any], vl: dict[str, Any]) -> None:
