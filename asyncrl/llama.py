@@ -30,6 +30,10 @@ import torch.nn.functional as F
 
 #: (layer index, the new positions' keys, values) -> the keys and values they attend to.
 Join = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: (queries [B, H, S, D], keys, values [B, H_kv, T, D]) -> the attention output [B, H, S, D]:
+#: what a layer runs in place of SDPA under a mask (`Llama.attention` with `allowed=None`
+#: for a causal one).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _TYPES = ("qwen2", "llama")
 #: SDPA takes `enable_gqa` (torch >= 2.5; the project allows 2.4).
@@ -100,11 +104,12 @@ class Llama:
         self,
         h: torch.Tensor,
         pos: torch.Tensor,
-        allowed: torch.Tensor,
+        allowed: torch.Tensor | Attend,
         join: Join | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The residual stream after every decoder layer, from the embeddings `h` at positions
-        `pos` under the boolean mask `allowed`, and each layer's (keys, values): the new
+        `pos` under the boolean mask `allowed` (or attended by it: an `Attend`), and each
+        layer's (keys, values): the new
         positions' own, or what `join(layer index, k, v)` makes of them (earlier keys and
         values put before them: a cache)."""
         cos, sin = self.rotary(pos, h.dtype)
@@ -146,20 +151,31 @@ class Llama:
         layer: torch.nn.Module,
         h: torch.Tensor,
         qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        allowed: torch.Tensor,
+        allowed: torch.Tensor | Attend,
     ) -> torch.Tensor:
-        """The residual stream after `layer`: attention of q over the allowed (k, v), the output
-        projection, then the MLP block."""
+        """The residual stream after `layer`: attention of q over the allowed (k, v) (or what
+        the `Attend` `allowed` makes of them), the output projection, then the MLP block."""
         q, k, v = qkv
-        if self.native_gqa:
-            o = F.scaled_dot_product_attention(q, k, v, allowed, enable_gqa=True)
-        else:  # K/V heads repeated for the query heads, as transformers' `repeat_kv`
-            g = self.group
-            o = F.scaled_dot_product_attention(q, repeat(k, g), repeat(v, g), allowed)
+        o = allowed(q, k, v) if callable(allowed) else self.attention(q, k, v, allowed)
         b, _, s, _ = q.shape
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         h = h + linear(layer.self_attn.o_proj, o)
         return h + mlp(layer.mlp, norm(h, layer.post_attention_layernorm))
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """SDPA of q over (k, v) under the boolean mask `allowed`, or causal (query i sees keys
+        0..i; SDPA's causal kernels skip the rest, a mask's compute it) where it is None."""
+        causal = allowed is None
+        if self.native_gqa:
+            return F.scaled_dot_product_attention(
+                q, k, v, allowed, is_causal=causal, enable_gqa=True
+            )
+        g = self.group  # K/V heads repeated for the query heads, as transformers' `repeat_kv`
+        return F.scaled_dot_product_attention(
+            q, repeat(k, g), repeat(v, g), allowed, is_causal=causal
+        )
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head on the final norm of the residual stream `h` ([..., hidden])."""

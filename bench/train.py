@@ -28,15 +28,23 @@ block-diagonal mask (fwd+bwd; target: varlen faster).
 
     asyncrl bench train [--smoke] [--groups 8] [--n 8] [--response-len 128] [--repeats 2]
                         [--threads 1] [--budget 512] [--row-tokens 8192]
+
+`--shared-prompt` runs only the shared-prompt part (bench/_shared_prompt.py; its own result,
+train_shared_prompt.json, with `--ragged` train_shared_prompt_ragged.json): the training
+forward's fwd + bwd at several (prompt, response)
+shapes, each group's prompt once (under a mask, or laid out causally), every row whole, and the
+learner's rule (`actor.share_prompt_forward`) that picks among them (`--repeats`, default 3).
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import _shared_prompt as shared_prompt
 import _train_scale as scale
 import torch
 from common import (
@@ -180,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
     parser.add_argument("--budget", type=int, default=512, help="packed tokens per micro-batch")
     parser.add_argument("--row-tokens", type=int, default=None, help="the varlen part's row")
+    parser.add_argument("--shared-prompt", action="store_true", help="only the shared-prompt part")
+    parser.add_argument("--ragged", action="store_true", help="shared-prompt part: ragged lengths")
     add_threads_flag(parser)
     args = parser.parse_args(argv)
+    if args.shared_prompt:
+        return _shared_prompt_main(args, argv)
     groups_n = args.groups or (2 if args.smoke else 8)
     n, resp = args.n or (4 if args.smoke else 8), args.response_len or (16 if args.smoke else 128)
     repeats = args.repeats or (1 if args.smoke else 2)
@@ -224,6 +236,25 @@ def main(argv: list[str] | None = None) -> int:
     if main_row["mfu"] is not None:
         result["headline"]["mfu"] = headline(main_row["mfu"], True, "")
     return finish("train", result, args, _plot(rows), argv)
+
+
+def _shared_prompt_main(args: Any, argv: list[str] | None) -> int:
+    """`--shared-prompt`: the shared-prompt part alone (bench/_shared_prompt.py)."""
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-train-") as tmp:
+        spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+        model_dir = args.model or build_model_dir(Path(tmp) / "model", **spec)
+        with torch_threads(args.threads):
+            m = shared_prompt.measure(
+                model_dir, args.n or 8, args.repeats or (1 if args.smoke else 3), args.smoke,
+                args.ragged,
+            )  # fmt: skip
+    shared_prompt.print_result(m, print_table)
+    worst = max(max(r["auto_vs_best"], r["hf_auto_vs_best"]) for r in m["rows"])
+    result = {**m, "threads": args.threads,
+              "headline": {"auto_vs_best_worst": headline(worst, False, "x")}}  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)  # the command names the part
+    name = "train_shared_prompt" + ("_ragged" if args.ragged else "")
+    return finish(name, result, args, None, argv, bench="train")
 
 
 def _print_scale(pk: dict[str, Any], fs: dict[Any, Any], vl: dict[str, Any]) -> None:

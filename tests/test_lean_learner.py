@@ -6,6 +6,8 @@ it equals a step with transformers' forward."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -32,13 +34,15 @@ def _grads(model: torch.nn.Module, fn, data: dict) -> tuple[torch.Tensor, list[t
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("rows", [None, slice(1, 7)])
-def test_lean_logits_and_gradients_equal_transformers(arch, rows):
+@pytest.mark.parametrize("rows", [None, slice(1, 7), slice(3, 5)])  # (3, 5): no prompt padding
+@pytest.mark.parametrize("causal", [False, True])
+def test_lean_logits_and_gradients_equal_transformers(arch, rows, causal):
     model = _model(arch)
     data = _tensors(rows)
     real = data["response_mask"].bool()
     fn = lean.lean_shared_logits_for(model)
     assert fn is not None
+    fn = partial(fn, causal=causal)  # the responses under a mask, or laid out causally
     got, got_grads = _grads(model, fn, data)
     for reference in (lp.shared_prompt_logits, lp.response_logits):
         want, want_grads = _grads(model, reference, data)
@@ -60,11 +64,16 @@ def test_lean_logits_equal_transformers_in_bf16():
 
 
 def test_the_learner_takes_the_lean_forward_only_where_it_may(tiny_model):
-    assert _learner(tiny_model).logits_fn.func is lean._shared_prompt_logits
+    paths = _learner(tiny_model).logits_fn.paths
+    assert list(paths) == ["shared", "shared, causal", "whole"]
+    assert paths["shared"].func is lean._shared_prompt_logits
+    assert paths["shared, causal"].keywords == {"causal": True}
+    assert paths["whole"] is lp.response_logits
     assert _learner(tiny_model, "actor.share_prompt_forward=false").logits_fn is None
     # refused models and settings keep transformers' forward
     compiled = _learner(tiny_model, "actor.use_torch_compile=true")
-    assert compiled.logits_fn is lp.shared_prompt_logits
+    assert compiled.logits_fn.paths == {"shared": lp.shared_prompt_logits,
+                                        "whole": lp.response_logits}  # fmt: skip
     dropout = _model("qwen2")
     dropout.config.attention_dropout = 0.1  # transformers applies it inline: not reproduced
     assert lean.lean_shared_logits_for(dropout) is None

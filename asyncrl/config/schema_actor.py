@@ -241,8 +241,16 @@ class ActorConfig:
     share_prompt_forward: bool = True
     """Run each group's prompt once per training micro-batch and its n responses against the
     prompt's KV cache (GRPO's n samples share one prompt: n× fewer prompt tokens in the
-    forward and backward; the same logprobs and gradients as running every row whole). Applies
-    on the fsdp2_train learner's padded micro-batches with activation checkpointing off
+    forward and backward; the same logprobs and gradients as running every row whole) where a
+    cost model says it pays, decided per micro-batch from its shapes (`learner/prompt_rule.py`:
+    the tokens each path runs through the projections and MLP plus the query-key pairs through
+    attention, padding included; the ranks of an FSDP2 learner sum theirs and agree). It pays
+    where prompts are long against responses; at long responses the shared forward's masked
+    attention computes every [prompt | response] key pair where a padding-free whole forward
+    takes SDPA's causal kernel (half of them), so there every row runs whole, except in the
+    lean forward (Qwen2/Llama on one process), which lays the responses out for the causal
+    kernel and keeps sharing. Each path's first use is logged (one info line). Applies on the
+    fsdp2_train learner's padded micro-batches with activation checkpointing off
     (`model_args.disable_gradient_checkpointing`: HF's checkpointed layers drop the cache);
     with packing (`use_dynamic_bsz`), checkpointing on or another learner every row runs
     whole. false: always run every row whole."""

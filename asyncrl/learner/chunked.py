@@ -16,8 +16,21 @@ scaled logits, p = softmax(z)): d logp / dz = onehot(target) - p and
 d entropy / dz = -p * (z - E_p[z]), then through the scale and the linear layer.
 
 The model side (`output_head`, `forward`, `picked`): which models' heads are projected here (a
-plain linear head of a type whose logits are nothing more, on one process) and their forward
-with the final hidden states out and one position's logits in place of every position's.
+plain linear head of a type whose logits are nothing more) and their forward with the final
+hidden states out and one position's logits in place of every position's.
+
+FSDP2 (more than one rank): the head's weight is a DTensor sharded over the vocabulary (dim 0)
+between forwards (the root reshards it after each forward), each rank scoring its own tokens.
+The chunked function then gathers the whole [V, H] weight for its forward and again for its
+backward (one all-gather each, as FSDP2 does for a layer), and hands autograd the weight's
+gradient as that rank's shard: the [V, H] sum over its chunks reduce-scattered and divided by
+the ranks (FSDP2's gradient average), accumulated into the sharded parameter's gradient beside
+what FSDP2 reduces itself (a tied embedding's); gathered in the hidden states' dtype (FSDP2's
+mixed-precision compute dtype over fp32 master shards). Where the root keeps its unsharded
+weight from forward to backward instead (seen under a mixed-precision policy), that is a plain
+parameter: the function uses it as on one process and FSDP2 reduces its gradient itself. Every
+rank calls the function as many times as it runs forwards and backwards (the learner's count,
+agreed across ranks), so the collectives pair up.
 """
 
 from __future__ import annotations
@@ -66,7 +79,7 @@ class Projection:
 
     def logits(self) -> torch.Tensor:
         """The whole [..., V] fp32 logits (what the chunked path avoids; for checks)."""
-        return F.linear(self.hidden, self.weight, self.bias).float()
+        return F.linear(self.hidden, _whole(self.weight, self.hidden.dtype), self.bias).float()
 
 
 #: The logits that predict response tokens: as a `Projection` (the final hidden states and the
@@ -151,6 +164,8 @@ class _ChunkedScore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, temperature, with_entropy, chunk):  # noqa: ANN001
+        ctx.sharded = weight if _is_dtensor(weight) else None  # FSDP2: gathered again in backward
+        weight = _whole(weight, hidden.dtype)
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=_acc(weight.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
@@ -165,7 +180,8 @@ class _ChunkedScore(torch.autograd.Function):
             logp[s : s + chunk] = picked - lse[s : s + chunk]
             if with_entropy:  # logsumexp(z) - sum p z, with p = e / total
                 ent[s : s + chunk] = lse[s : s + chunk] - e.mul_(z).sum(-1) / total.squeeze(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        kept = weight if ctx.sharded is None else None  # the gathered copy is not kept
+        ctx.save_for_backward(hidden, kept, bias, targets, lse, ent)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -174,6 +190,8 @@ class _ChunkedScore(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_logp, g_ent):  # noqa: ANN001
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        if ctx.sharded is not None:
+            weight = _whole(ctx.sharded, hidden.dtype)
         t, chunk = ctx.temperature, ctx.chunk
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         acc = _acc(weight.dtype)
@@ -195,9 +213,38 @@ class _ChunkedScore(torch.autograd.Function):
                 add_weight_grad(grad_w, dz, h)
             if want_b:
                 grad_b += dz.to(acc).sum(0)
-        grad_w = grad_w.to(weight.dtype) if want_w else None
+        if want_w and ctx.sharded is not None:  # reduced in the master weight's dtype
+            grad_w = _shard_grad(grad_w.to(ctx.sharded.dtype), ctx.sharded)
+        elif want_w:
+            grad_w = grad_w.to(weight.dtype)
         grad_b = grad_b.to(bias.dtype) if want_b else None
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _whole(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full tensor of an FSDP2-sharded (DTensor) weight (an all-gather), in `dtype` (the
+    hidden states': FSDP2's mixed-precision compute dtype, the shards being fp32 masters), else
+    `weight`."""
+    if not _is_dtensor(weight):
+        return weight
+    return weight.full_tensor().to(dtype or weight.dtype)
+
+
+def _shard_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's [V, H] gradient sum as the gradient of the DTensor `like`: summed over the
+    ranks onto each one's shard (a reduce-scatter) and divided by the ranks, as FSDP2 reduces
+    the gradients of the parameters it gathers itself (their mean over the data-parallel ranks)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = like.device_mesh
+    partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
+    return partial.redistribute(mesh, like.placements) / mesh.size()
 
 
 # -- the model side: what head a model has, and its forward without every position's logits --
@@ -205,20 +252,20 @@ def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head that projects `model`'s final hidden states where it is a plain linear
     layer (so `chunked` can apply its weight): a peft model's is its base model's; the
     adapter-off reference of a LoRA policy reads the base layer of an adapted head (the
-    adapter is off). None: the model's own forward computes the logits: an adapted head, or an
-    FSDP2-sharded model (its root reshards the head's weight after each forward, and its
-    gradient must reach the reduce-scatter FSDP2 runs: not done yet)."""
+    adapter is off). An FSDP2-sharded head's weight is the DTensor the chunked function gathers
+    (module docstring). None: the model's own forward computes the logits: an adapted head, or
+    a sharded head with a bias or sharded otherwise than over the vocabulary on one mesh dim."""
     off = isinstance(model, AdapterOff)
     inner = model._policy[0] if off else model  # AdapterOff keeps the policy out of its tree
     if getattr(inner, "config", None) is None:
         return None
-    if _sharded(inner) or getattr(inner.config, "model_type", None) not in PLAIN_HEAD_TYPES:
+    if getattr(inner.config, "model_type", None) not in PLAIN_HEAD_TYPES:
         return None
     get = getattr(inner, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if off and hasattr(head, "get_base_layer"):
         head = head.get_base_layer()
-    return head if type(head) is torch.nn.Linear else None
+    return head if type(head) is torch.nn.Linear and _gatherable(head) else None
 
 
 def forward(model: torch.nn.Module, **inputs: Any) -> Any:
@@ -246,7 +293,12 @@ def picked(
 def _check_head(logits: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Linear) -> None:
     """The one position's logits the forward computed are the head on its hidden state: else
     the chunked scores would not be the model's (a head that does more than project)."""
-    mine = torch.nn.functional.linear(hidden, head.weight, head.bias)
+    weight = head.weight
+    if _is_dtensor(weight):  # this rank's rows of the vocabulary (Shard(0), torch.chunk's split)
+        mesh, local = weight.device_mesh, weight.to_local()
+        start = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
+        weight, logits = local.to(hidden.dtype), logits[..., start : start + local.shape[0]]
+    mine = torch.nn.functional.linear(hidden, weight, head.bias)
     if not torch.allclose(mine.float(), logits.float(), rtol=1e-2, atol=1e-3):
         raise RuntimeError(
             "the model's logits are not its LM head applied to its last hidden states: the "
@@ -254,8 +306,12 @@ def _check_head(logits: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Linea
         )
 
 
-def _sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` (or a module inside it) is FSDP2-sharded."""
-    from torch.distributed.fsdp import FSDPModule
+def _gatherable(head: torch.nn.Linear) -> bool:
+    """Whether the chunked function can take `head`'s weight: a plain tensor, or FSDP2's
+    DTensor sharded over the vocabulary (Shard(0) on a 1-D mesh) without a bias."""
+    weight = head.weight
+    if not _is_dtensor(weight):
+        return True
+    from torch.distributed.tensor import Shard
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return head.bias is None and tuple(weight.placements) == (Shard(0),)
