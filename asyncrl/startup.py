@@ -35,6 +35,7 @@ from asyncrl.weights.lora_native import native_lora
 if TYPE_CHECKING:  # imported where they start: the engine layer and Ray load only for a run
     from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
+    from asyncrl.rollout.local_pool import LocalWorkerPool
     from asyncrl.rollout.ray_pool import RayWorkerPool
 
 
@@ -91,12 +92,14 @@ class WorkerStart:
         )
         stop_later(stack, self.receiver.close)  # PULL socket, read by the pump; asyncrl-zap
         self.tokenizer_class = tokenizer_class_name(tokenizer)  # the workers skip AutoTokenizer
-        self._started: cf.Future[RayWorkerPool] | None = None
-        self._pool: RayWorkerPool | None = None
+        self._started: cf.Future[RayWorkerPool | LocalWorkerPool] | None = None
+        self._pool: RayWorkerPool | LocalWorkerPool | None = None
         self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
         stop_later(stack, self._close)
+        self.uses_ray = uses_ray(cfg, fleet)
         if fleet.handles:  # spawned: their URLs are known now
-            ray_env(self.address)  # here: the main thread reads the environment too
+            if self.uses_ray:
+                ray_env(self.address)  # here: the main thread reads the environment too
             self._started = cf.Future()
             # A daemon: a start stuck in Ray (an actor never placed) must not hold up the exit.
             threading.Thread(target=self._start_into, name="asyncrl-workers", daemon=True).start()
@@ -113,10 +116,14 @@ class WorkerStart:
             made = dataclasses.replace(made, transport_host=advertised_host(host))
         return made
 
-    def _start(self) -> RayWorkerPool:  # processes: Ray actors, the rollout workers
+    def _start(self) -> RayWorkerPool | LocalWorkerPool:  # Ray actors, or threads of this one
+        n = self.cfg.rollout.num_actors
+        if not self.uses_ray:
+            from asyncrl.rollout.local_pool import LocalWorkerPool
+
+            return LocalWorkerPool(self.settings, n)
         from asyncrl.rollout.ray_pool import RayWorkerPool
 
-        n = self.cfg.rollout.num_actors
         return RayWorkerPool(self.settings, n, self.fleet.worker_options, self.address)
 
     def _start_into(self) -> None:
@@ -126,7 +133,7 @@ class WorkerStart:
         except BaseException as e:  # handed to `pool`'s caller
             started.set_exception(e)
 
-    def pool(self) -> RayWorkerPool:
+    def pool(self) -> RayWorkerPool | LocalWorkerPool:
         """The workers, their start waited for (or run here); raises what it raised. From the
         main thread."""
         if self._pool is None:
@@ -181,6 +188,17 @@ def start_rollout(
     evaluator = Evaluator(cfg.logging, cfg.max_steps, items, workers.settings(0), fleet)
     overlap = overlap_sync(cfg)
     return Orchestrator(ro, fleet, dispatcher, pump, queue, learner, overlap), evaluator
+
+
+def uses_ray(cfg: Config, fleet: EngineFleet) -> bool:
+    """Whether the rollout workers are Ray actors (`rollout.worker_pool`; auto: when the run
+    joins a Ray cluster, `cluster.address` or `RAY_ADDRESS`), else threads of the driver."""
+    import os
+
+    mode = cfg.rollout.worker_pool
+    if mode != "auto":
+        return mode == "ray"
+    return bool(cfg.cluster.address.strip() or os.environ.get("RAY_ADDRESS") or fleet.multinode)
 
 
 def make_fleet(cfg: Config, model_dir: Path, runner: AsyncRunner, api_key: str) -> EngineFleet:

@@ -290,7 +290,15 @@ class WeightSyncConfig:
 @dataclass
 class RolloutConfig:
     num_actors: int = 2
-    """Rollout workers (each a Ray actor), each driving its share of engines."""
+    """Rollout workers, each driving its share of engines (Ray actors or threads of the
+    driver: `worker_pool`)."""
+    worker_pool: Literal["auto", "ray", "driver"] = "auto"
+    """Where the rollout workers run. `ray`: as Ray actors, one process each (Ray starts
+    locally unless the run joins a cluster). `driver`: as threads of the driver process, no
+    Ray (they are I/O-bound clients of the engines; Ray's daemons and a process per worker
+    were most of the CPU default's start-up). auto: `ray` when the run joins a Ray cluster
+    (`cluster.address`, or `RAY_ADDRESS` in the environment), else `driver`. `driver` with
+    `cluster.address` is refused: there the workers run beside their engines on the nodes."""
     reward_fn: str = "arithmetic_exact"
     """Reward by registry name or `package.module:function`; the path is imported when the config
     loads, so a typo fails validation."""
