@@ -32,13 +32,15 @@ def test_workers_generate_and_push_groups(tok_dir):  # noqa: F811
         pool = LocalWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 2)
         try:
             assert pool.size() == 2 and len(_threads()) == 2
-            refs = {pool.submit(0, [item()]), pool.submit(1, [PromptItem("e0-i1", [1])])}
+            second = PromptItem("e0-i1", [15, 10, 15], "1+0=", {"answer": "1"})
+            refs = {pool.submit(0, [item()]), pool.submit(1, [second])}
             done = []
             while len(done) < 2:
                 done += pool.poll(30)
             assert {ref for _, ref, _ in done} == refs
             results = {r.key: r for _, _, out in done for r in out}
-            assert sorted(results) == ["e0-i0", "e0-i1"] and all(r.ok for r in results.values())
+            assert sorted(results) == ["e0-i0", "e0-i1"]
+            assert all(r.ok for r in results.values()), results
             groups = [receiver.get(timeout_s=30) for _ in range(2)]
             assert sorted(g.group_id for g in groups) == ["e0-i0", "e0-i1"]
         finally:
