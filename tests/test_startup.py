@@ -87,13 +87,14 @@ def test_a_local_runs_workers_are_threads_of_the_driver_and_ray_never_starts(
 
     def spy_pool(workers):
         seen["pool"] = pool(workers)
+        seen["size"] = seen["pool"].size()
         return seen["pool"]
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(net, "_init_ray", no_ray)
     monkeypatch.setattr(WorkerStart, "pool", spy_pool)
     summary = run_module.run(shrunk(tiny_model, tmp_path, "max_steps=2", "logging.eval_interval=0"))
-    assert isinstance(seen["pool"], LocalWorkerPool) and seen["pool"].size() == 2
+    assert isinstance(seen["pool"], LocalWorkerPool) and seen["size"] == 2
     assert summary["steps"] >= 2
 
 
@@ -107,7 +108,12 @@ def test_auto_takes_ray_where_the_run_joins_a_cluster(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert not uses_ray(load_config(None, []), local)
     assert uses_ray(load_config(None, ["rollout.worker_pool=ray"]), local)
-    assert uses_ray(load_config(None, ["cluster.address=auto"]), fleet)
+    cluster = [
+        "cluster.address=auto",
+        "cluster.bind_host=0.0.0.0",
+        "rollout.transport_host=0.0.0.0",
+    ]
+    assert uses_ray(load_config(None, cluster), fleet)
     monkeypatch.setenv("RAY_ADDRESS", "auto")
     assert uses_ray(load_config(None, []), local)
     assert not uses_ray(load_config(None, ["rollout.worker_pool=driver"]), local)
@@ -243,3 +249,15 @@ def test_the_sigterm_handler_a_run_keeps():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_driver_threads_are_refused_where_workers_run_beside_engines_on_the_nodes():
+    from asyncrl.config import ConfigError, load_config
+
+    cluster = [
+        "cluster.address=auto",
+        "cluster.bind_host=0.0.0.0",
+        "rollout.transport_host=0.0.0.0",
+    ]
+    with pytest.raises(ConfigError, match="rollout.worker_pool 'driver' with cluster.address"):
+        load_config(None, [*cluster, "rollout.worker_pool=driver"])
