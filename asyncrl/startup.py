@@ -1,9 +1,11 @@
 """Every thread and process of a run's rollout side, in start order, and their sub-configs.
 
-Order, for the CPU default (numbers from `asyncrl run`, 2 cores): the engines' processes start
-first (`launch_engines`: an hf engine's ~6 s start runs beside the driver's learner build,
-~3 s), then the ZMQ receiver and the rollout workers (`WorkerStart`: Ray and the worker actors
-start in a thread of their own while the learner is built), then, once the learner exists,
+Order, for the CPU default (2 cores): the engines' processes start first (`launch_engines`: an
+hf engine imports torch and reads the embedded model's weights straight into the lean decoder,
+`engine/hf/lean_model.py`, beside the driver's learner build), then the ZMQ receiver and the
+rollout workers (`WorkerStart`, in a thread of its own while the learner is built: on one host
+threads of the driver, `rollout/local_pool.py`; on a cluster, or `rollout.worker_pool: ray`,
+Ray and the worker actors), then, once the learner exists,
 `start_rollout` waits for both, pushes the learner's weights to the engines and starts the
 dispatcher and the pump. Every start registers its stop on the run's ExitStack, so a failure
 at any point stops what already runs, in reverse order.

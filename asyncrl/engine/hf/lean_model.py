@@ -5,8 +5,9 @@ safetensors.
 
 Why: the engine serves such a model through `asyncrl.llama`'s arithmetic anyway (`decoder.py`),
 and importing transformers' modeling stack to build it was most of the engine process's start
-(its modeling, masking, loss and activation modules pull in torch._dynamo and scipy: ~2.3 s of
-the CPU default's ~4 s model load on a quiet 2-core box, seconds more on a loaded one).
+(its modeling, masking, loss and activation modules pull in torch._dynamo, sympy, scipy and
+accelerate): the CPU default's engine process, from start to a loaded model, took 11.3-11.5 s
+of CPU with transformers and takes 4.0-4.1 s this way (2026-11-28, the 2-core box).
 
 Same parameters, same names: the learner's weight updates (named as transformers names them)
 load into it in place (`weights.py`), kept versions are deep copies of it (`lanes.py`), and
