@@ -7,7 +7,8 @@ dashboard server and agent, runtime-env agent, autoscaler and log monitors: seve
 that each import Ray) and a process per worker importing the rollout stack again; on the CPU
 default that was most of the whole command's start. A run that joins a cluster
 (`cluster.address`, `RAY_ADDRESS`) keeps Ray actors (`ray_pool.py`), placed beside their
-engines: `rollout.worker_pool` chooses.
+engines: `rollout.worker_pool` chooses. The cost: the workers' Python shares the driver's
+interpreter lock and core with the learner (the schema's docstring gives the measured loop).
 
 Semantics kept from the Ray pool: a worker that cannot be built raises
 `PermanentRolloutError` at start with the real error; a submission that raises comes back from
