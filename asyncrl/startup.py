@@ -3,9 +3,9 @@
 Order, for the CPU default (2 cores): the engines' processes start first (`launch_engines`: an
 hf engine imports torch and reads the embedded model's weights straight into the lean decoder,
 `engine/hf/lean_model.py`, beside the driver's learner build), then the ZMQ receiver and the
-rollout workers (`WorkerStart`, in a thread of its own while the learner is built: on one host
-threads of the driver, `rollout/local_pool.py`; on a cluster, or `rollout.worker_pool: ray`,
-Ray and the worker actors), then, once the learner exists,
+rollout workers (`WorkerStart`, in a thread of its own while the learner is built: Ray and the
+worker actors, or with `rollout.worker_pool: driver` threads of the driver,
+`rollout/local_pool.py`), then, once the learner exists,
 `start_rollout` waits for both, pushes the learner's weights to the engines and starts the
 dispatcher and the pump. Every start registers its stop on the run's ExitStack, so a failure
 at any point stops what already runs, in reverse order.
@@ -98,7 +98,7 @@ class WorkerStart:
         self._pool: RayWorkerPool | LocalWorkerPool | None = None
         self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
         stop_later(stack, self._close)
-        self.uses_ray = uses_ray(cfg, fleet)
+        self.uses_ray = uses_ray(cfg)
         if fleet.handles:  # spawned: their URLs are known now
             if self.uses_ray:
                 ray_env(self.address)  # here: the main thread reads the environment too
@@ -192,15 +192,10 @@ def start_rollout(
     return Orchestrator(ro, fleet, dispatcher, pump, queue, learner, overlap), evaluator
 
 
-def uses_ray(cfg: Config, fleet: EngineFleet) -> bool:
-    """Whether the rollout workers are Ray actors (`rollout.worker_pool`; auto: when the run
-    joins a Ray cluster, `cluster.address` or `RAY_ADDRESS`), else threads of the driver."""
-    import os
-
-    mode = cfg.rollout.worker_pool
-    if mode != "auto":
-        return mode == "ray"
-    return bool(cfg.cluster.address.strip() or os.environ.get("RAY_ADDRESS") or fleet.multinode)
+def uses_ray(cfg: Config) -> bool:
+    """Whether the rollout workers are Ray actors (`rollout.worker_pool`), else threads of the
+    driver."""
+    return cfg.rollout.worker_pool == "ray"
 
 
 def make_fleet(cfg: Config, model_dir: Path, runner: AsyncRunner, api_key: str) -> EngineFleet:

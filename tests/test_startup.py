@@ -71,16 +71,16 @@ def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
                 ray.get(actor.pid.remote(), timeout=30)
 
 
-def test_a_local_runs_workers_are_threads_of_the_driver_and_ray_never_starts(
+def test_driver_workers_are_threads_of_the_driver_and_ray_never_starts(
     tiny_model, tmp_path, monkeypatch
 ):
-    """`rollout.worker_pool: auto` on one machine: the workers run in the driver (no Ray, no
-    process per worker), and the run trains as with Ray actors."""
+    """`rollout.worker_pool: driver`: the workers run in the driver (no Ray, no process per
+    worker), and the run trains as with Ray actors."""
     from asyncrl import net
     from asyncrl.rollout.local_pool import LocalWorkerPool
 
     def no_ray(*args, **kwargs):
-        raise AssertionError("a local run started Ray")
+        raise AssertionError("the run started Ray")
 
     seen: dict[str, object] = {}
     pool = WorkerStart.pool
@@ -90,33 +90,12 @@ def test_a_local_runs_workers_are_threads_of_the_driver_and_ray_never_starts(
         seen["size"] = seen["pool"].size()
         return seen["pool"]
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(net, "_init_ray", no_ray)
     monkeypatch.setattr(WorkerStart, "pool", spy_pool)
-    summary = run_module.run(shrunk(tiny_model, tmp_path, "max_steps=2", "logging.eval_interval=0"))
+    extra = ("max_steps=2", "logging.eval_interval=0", "rollout.worker_pool=driver")
+    summary = run_module.run(shrunk(tiny_model, tmp_path, *extra))
     assert isinstance(seen["pool"], LocalWorkerPool) and seen["size"] == 2
     assert summary["steps"] >= 2
-
-
-def test_auto_takes_ray_where_the_run_joins_a_cluster(monkeypatch):
-    from types import SimpleNamespace
-
-    from asyncrl.config import load_config
-    from asyncrl.startup import uses_ray
-
-    local, fleet = SimpleNamespace(multinode=False), SimpleNamespace(multinode=True)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert not uses_ray(load_config(None, []), local)
-    assert uses_ray(load_config(None, ["rollout.worker_pool=ray"]), local)
-    cluster = [
-        "cluster.address=auto",
-        "cluster.bind_host=0.0.0.0",
-        "rollout.transport_host=0.0.0.0",
-    ]
-    assert uses_ray(load_config(None, cluster), fleet)
-    monkeypatch.setenv("RAY_ADDRESS", "auto")
-    assert uses_ray(load_config(None, []), local)
-    assert not uses_ray(load_config(None, ["rollout.worker_pool=driver"]), local)
 
 
 # A run started from Python (a bench, a notebook): no SIGTERM handler of its own.

@@ -1,14 +1,15 @@
-"""Rollout workers in the driver's own process, behind the dispatcher's `WorkerPool` interface:
-each `RolloutWorker` on an event loop of its own, in a thread of its own.
+"""Rollout workers in the driver's own process (`rollout.worker_pool: driver`), behind the
+dispatcher's `WorkerPool` interface: each `RolloutWorker` on an event loop of its own, in a
+thread of its own.
 
 Why: a rollout worker is an I/O-bound client of the engines (HTTP requests out, groups pushed
 over ZMQ). On one machine, hosting it as a Ray actor costs Ray's daemons (GCS, raylet,
 dashboard server and agent, runtime-env agent, autoscaler and log monitors: seven processes
 that each import Ray) and a process per worker importing the rollout stack again; on the CPU
-default that was most of the whole command's start. A run that joins a cluster
-(`cluster.address`, `RAY_ADDRESS`) keeps Ray actors (`ray_pool.py`), placed beside their
-engines: `rollout.worker_pool` chooses. The cost: the workers' Python shares the driver's
-interpreter lock and core with the learner (the schema's docstring gives the measured loop).
+default that was most of the whole command's start. The cost: the workers' Python shares the
+driver's interpreter lock and core with the learner, and the loop is slower (the schema's
+docstring gives both measured), so Ray's actors (`ray_pool.py`) stay the default, and the
+only choice on a cluster (placed beside their engines).
 
 Semantics kept from the Ray pool: a worker that cannot be built raises
 `PermanentRolloutError` at start with the real error; a submission that raises comes back from
