@@ -1,9 +1,11 @@
 """Every thread and process of a run's rollout side, in start order, and their sub-configs.
 
-Order, for the CPU default (numbers from `asyncrl run`, 2 cores): the engines' processes start
-first (`launch_engines`: an hf engine's ~6 s start runs beside the driver's learner build,
-~3 s), then the ZMQ receiver and the rollout workers (`WorkerStart`: Ray and the worker actors
-start in a thread of their own while the learner is built), then, once the learner exists,
+Order, for the CPU default (2 cores): the engines' processes start first (`launch_engines`: an
+hf engine imports torch and reads the embedded model's weights straight into the lean decoder,
+`engine/hf/lean_model.py`, beside the driver's learner build), then the ZMQ receiver and the
+rollout workers (`WorkerStart`, in a thread of its own while the learner is built: Ray and the
+worker actors, or with `rollout.worker_pool: driver` threads of the driver,
+`rollout/local_pool.py`), then, once the learner exists,
 `start_rollout` waits for both, pushes the learner's weights to the engines and starts the
 dispatcher and the pump. Every start registers its stop on the run's ExitStack, so a failure
 at any point stops what already runs, in reverse order.
@@ -35,6 +37,7 @@ from asyncrl.weights.lora_native import native_lora
 if TYPE_CHECKING:  # imported where they start: the engine layer and Ray load only for a run
     from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
+    from asyncrl.rollout.local_pool import LocalWorkerPool
     from asyncrl.rollout.ray_pool import RayWorkerPool
 
 
@@ -91,12 +94,14 @@ class WorkerStart:
         )
         stop_later(stack, self.receiver.close)  # PULL socket, read by the pump; asyncrl-zap
         self.tokenizer_class = tokenizer_class_name(tokenizer)  # the workers skip AutoTokenizer
-        self._started: cf.Future[RayWorkerPool] | None = None
-        self._pool: RayWorkerPool | None = None
+        self._started: cf.Future[RayWorkerPool | LocalWorkerPool] | None = None
+        self._pool: RayWorkerPool | LocalWorkerPool | None = None
         self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
         stop_later(stack, self._close)
+        self.uses_ray = uses_ray(cfg)
         if fleet.handles:  # spawned: their URLs are known now
-            ray_env(self.address)  # here: the main thread reads the environment too
+            if self.uses_ray:
+                ray_env(self.address)  # here: the main thread reads the environment too
             self._started = cf.Future()
             # A daemon: a start stuck in Ray (an actor never placed) must not hold up the exit.
             threading.Thread(target=self._start_into, name="asyncrl-workers", daemon=True).start()
@@ -113,10 +118,14 @@ class WorkerStart:
             made = dataclasses.replace(made, transport_host=advertised_host(host))
         return made
 
-    def _start(self) -> RayWorkerPool:  # processes: Ray actors, the rollout workers
+    def _start(self) -> RayWorkerPool | LocalWorkerPool:  # Ray actors, or threads of this one
+        n = self.cfg.rollout.num_actors
+        if not self.uses_ray:
+            from asyncrl.rollout.local_pool import LocalWorkerPool
+
+            return LocalWorkerPool(self.settings, n)
         from asyncrl.rollout.ray_pool import RayWorkerPool
 
-        n = self.cfg.rollout.num_actors
         return RayWorkerPool(self.settings, n, self.fleet.worker_options, self.address)
 
     def _start_into(self) -> None:
@@ -126,7 +135,7 @@ class WorkerStart:
         except BaseException as e:  # handed to `pool`'s caller
             started.set_exception(e)
 
-    def pool(self) -> RayWorkerPool:
+    def pool(self) -> RayWorkerPool | LocalWorkerPool:
         """The workers, their start waited for (or run here); raises what it raised. From the
         main thread."""
         if self._pool is None:
@@ -181,6 +190,12 @@ def start_rollout(
     evaluator = Evaluator(cfg.logging, cfg.max_steps, items, workers.settings(0), fleet)
     overlap = overlap_sync(cfg)
     return Orchestrator(ro, fleet, dispatcher, pump, queue, learner, overlap), evaluator
+
+
+def uses_ray(cfg: Config) -> bool:
+    """Whether the rollout workers are Ray actors (`rollout.worker_pool`), else threads of the
+    driver."""
+    return cfg.rollout.worker_pool == "ray"
 
 
 def make_fleet(cfg: Config, model_dir: Path, runner: AsyncRunner, api_key: str) -> EngineFleet:

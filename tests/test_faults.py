@@ -47,7 +47,8 @@ def test_kill_engine_and_actor_mid_run(tiny_model, tmp_path):
     second: killing after it had finished made this test flaky); then an actor and the frozen
     engine are killed. Only healing lets the run complete."""
     steps = 20
-    cfg = shrunk(tiny_model, tmp_path, f"max_steps={steps}", "async.max_staleness=2")
+    ray_actors = "rollout.worker_pool=ray"  # the rollout workers as processes, to kill one
+    cfg = shrunk(tiny_model, tmp_path, f"max_steps={steps}", "async.max_staleness=2", ray_actors)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(summary=run(cfg)), daemon=True)
     thread.start()

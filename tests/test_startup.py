@@ -38,8 +38,9 @@ def engines_exited(fleet: EngineFleet) -> bool:
     return bool(fleet.handles) and all(h.proc.poll() is not None for h in fleet.handles)
 
 
+@pytest.mark.parametrize("pool", ["ray", "driver"])
 def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
-    tiny_model, tmp_path, monkeypatch
+    tiny_model, tmp_path, monkeypatch, pool
 ):
     seen: dict[str, object] = {}
     start = WorkerStart.__init__
@@ -49,21 +50,52 @@ def test_a_failed_learner_build_stops_the_engines_and_workers_started_before_it(
         return start(workers, *args, **kwargs)
 
     def failing_build(*args, **kwargs):
-        pool = seen["workers"].pool()  # the workers' start is under way: let it finish first
-        seen["actors"] = list(pool.workers)
+        started = seen["workers"].pool()  # the workers' start is under way: let it finish
+        seen["actors"] = list(getattr(started, "workers", []))  # Ray's
+        seen["threads"] = [h.thread for h in getattr(started, "hosts", [])]  # the driver's
         raise RuntimeError("learner build failed")
 
     spy_on_the_fleet(monkeypatch, seen)
     monkeypatch.setattr(WorkerStart, "__init__", spy_start)
     monkeypatch.setattr(run_module, "build_learner", failing_build)
     with pytest.raises(RuntimeError, match="learner build failed"):
-        run_module.run(shrunk(tiny_model, tmp_path))
+        run_module.run(shrunk(tiny_model, tmp_path, f"rollout.worker_pool={pool}"))
     assert engines_exited(seen["fleet"])  # engines stopped
-    import ray
+    assert len(seen["actors"] if pool == "ray" else seen["threads"]) == 2
+    assert not any(t.is_alive() for t in seen["threads"])  # the driver's workers ended
+    if pool == "ray":
+        import ray
 
-    for actor in seen["actors"]:  # rollout workers killed
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.pid.remote(), timeout=30)
+        for actor in seen["actors"]:  # rollout workers killed
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.pid.remote(), timeout=30)
+
+
+def test_driver_workers_are_threads_of_the_driver_and_ray_never_starts(
+    tiny_model, tmp_path, monkeypatch
+):
+    """`rollout.worker_pool: driver`: the workers run in the driver (no Ray, no process per
+    worker), and the run trains as with Ray actors."""
+    from asyncrl import net
+    from asyncrl.rollout.local_pool import LocalWorkerPool
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the run started Ray")
+
+    seen: dict[str, object] = {}
+    pool = WorkerStart.pool
+
+    def spy_pool(workers):
+        seen["pool"] = pool(workers)
+        seen["size"] = seen["pool"].size()
+        return seen["pool"]
+
+    monkeypatch.setattr(net, "_init_ray", no_ray)
+    monkeypatch.setattr(WorkerStart, "pool", spy_pool)
+    extra = ("max_steps=2", "logging.eval_interval=0", "rollout.worker_pool=driver")
+    summary = run_module.run(shrunk(tiny_model, tmp_path, *extra))
+    assert isinstance(seen["pool"], LocalWorkerPool) and seen["size"] == 2
+    assert summary["steps"] >= 2
 
 
 # A run started from Python (a bench, a notebook): no SIGTERM handler of its own.
@@ -196,3 +228,15 @@ def test_the_sigterm_handler_a_run_keeps():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_driver_threads_are_refused_where_workers_run_beside_engines_on_the_nodes():
+    from asyncrl.config import ConfigError, load_config
+
+    cluster = [
+        "cluster.address=auto",
+        "cluster.bind_host=0.0.0.0",
+        "rollout.transport_host=0.0.0.0",
+    ]
+    with pytest.raises(ConfigError, match="rollout.worker_pool 'driver' with cluster.address"):
+        load_config(None, [*cluster, "rollout.worker_pool=driver"])

@@ -29,6 +29,11 @@ def check_cluster(cfg: Config) -> None:
             f"cluster.bind_host {cl.bind_host!r}: set one"
         )
     if cl.address.strip():
+        if cfg.rollout.worker_pool == "driver":
+            raise ConfigError(
+                "rollout.worker_pool 'driver' with cluster.address: a multi-node run's rollout "
+                "workers are Ray actors beside their engines (set ray or auto)"
+            )
         _check_multinode(cfg)
         return
     # Read only where engines and ranks are placed: a value the run would ignore is refused.

@@ -16,9 +16,13 @@ never overwrites anything another tensor shows.
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+if TYPE_CHECKING:  # transformers is imported only for a model the lean decoder refuses
+    from transformers import DynamicCache
 
 
 def capacity(view: torch.Tensor) -> int:
@@ -50,22 +54,30 @@ def append(view: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return buf[:, :, : t + new.shape[2]]
 
 
-class SlackLayer(DynamicLayer):
-    """A `DynamicLayer` over given keys and values whose `update` appends in place."""
+@functools.cache
+def slack_layer() -> type:
+    """A `DynamicLayer` over given keys and values whose `update` appends in place (made on
+    first use: transformers is imported only when its forward runs)."""
+    from transformers.cache_utils import DynamicLayer
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.device, self.keys, self.values = keys.device, keys, values
-        self.is_initialized = True
+    class SlackLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            super().__init__()
+            self.device, self.keys, self.values = keys.device, keys, values
+            self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys = append(self.keys, key_states)
-        self.values = append(self.values, value_states)
-        return self.keys, self.values
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            self.keys = append(self.keys, key_states)
+            self.values = append(self.values, value_states)
+            return self.keys, self.values
+
+    return SlackLayer
 
 
 def decode_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A cache holding `kv` (one (keys, values) per layer) as they are, no copy."""
+    from transformers import DynamicCache
+
     cache = DynamicCache()
-    cache.layers = [SlackLayer(k, v) for k, v in kv]
+    cache.layers = [slack_layer()(k, v) for k, v in kv]
     return cache

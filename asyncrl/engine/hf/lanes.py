@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import DynamicCache
 
 from asyncrl.engine.hf import routes
 from asyncrl.engine.hf.batch import KVBatch, Seq
@@ -91,6 +90,8 @@ class Lane:
     def _forward(self, ids, mask, pos, kv):
         if self._lean is not None:
             return self._lean(ids, mask, pos, kv)
+        from transformers import DynamicCache  # only here: a model the lean decoder refuses
+
         cache = decode_cache(kv) if kv else DynamicCache()  # appended in place (kvcache.py)
         out = self.model(
             input_ids=ids,

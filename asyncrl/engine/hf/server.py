@@ -293,14 +293,23 @@ DTYPE_ALIASES = {
 
 
 def load_engine(args: argparse.Namespace) -> HFEngine:
+    """The engine over the model at `--model-path`: read straight from its files where the
+    lean decoder serves it (`lean_model.py`: transformers' modeling code is never imported),
+    else loaded with transformers."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from asyncrl.engine.hf.lean_model import lean_model
 
     torch.manual_seed(args.seed)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, DTYPE_ALIASES[args.dtype])
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(args.device)
+    model = lean_model(args.model_path, dtype, args.device)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+        model = model.to(args.device)
     engine = HFEngine(
         model,
         max_batch_size=args.max_batch_size,
