@@ -278,13 +278,14 @@ def test_a_permanent_failure_fails_take_batch_at_once_with_the_message_whole():
 
 def test_a_worker_that_keeps_dying_fails_the_run_instead_of_respawning_forever():
     from asyncrl.rollout import ray_pool
+    from asyncrl.rollout.settings import MAX_CONSECUTIVE_DEATHS, Wakeup
 
     class DyingPool:  # RayWorkerPool.poll's bookkeeping, with Ray's side made up
         poll = ray_pool.RayWorkerPool.poll
 
         def __init__(self) -> None:
             self.refs, self.generation, self.deaths, self.replaced = {}, [0], [0], 0
-            self._ray, self._woken = self, cf.Future()
+            self._ray, self._wakeup = self, Wakeup()
 
         def get(self, ref):
             raise RuntimeError(f"actor died ({ref})")
@@ -295,7 +296,7 @@ def test_a_worker_that_keeps_dying_fails_the_run_instead_of_respawning_forever()
 
     pool = DyingPool()
     outcomes = []
-    for attempt in range(ray_pool.MAX_CONSECUTIVE_DEATHS):
+    for attempt in range(MAX_CONSECUTIVE_DEATHS):
         ended = cf.Future()  # the submission ended (its actor died)
         ended.set_result(None)
         pool.refs[f"ref{attempt}"] = (0, pool.generation[0], ended)

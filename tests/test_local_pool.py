@@ -12,9 +12,8 @@ import pytest
 from aiohttp import web
 
 from asyncrl.data.prompts import PromptItem
-from asyncrl.rollout import local_pool
 from asyncrl.rollout.local_pool import LocalWorkerPool
-from asyncrl.rollout.settings import PermanentRolloutError
+from asyncrl.rollout.settings import MAX_CONSECUTIVE_DEATHS, PermanentRolloutError
 from asyncrl.transport.zmq import Receiver, ReceiverConfig
 from tests.test_errors_retry import SECRET, ScriptedEngine, _serving, item, worker_settings
 from tests.test_errors_retry import tok_dir as tok_dir  # noqa: F401 - the module's fixture
@@ -94,7 +93,7 @@ def test_a_worker_that_keeps_failing_ends_the_run(tok_dir):  # noqa: F811
 
             worker.run_prompts = broken
             outcomes = []
-            for attempt in range(local_pool.MAX_CONSECUTIVE_DEATHS):
+            for attempt in range(MAX_CONSECUTIVE_DEATHS):
                 pool.submit(0, [PromptItem(f"e0-i{attempt}", [1])])
                 while len(outcomes) <= attempt:
                     outcomes += [outcome for _, _, outcome in pool.poll(30)]

@@ -28,11 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.data.prompts import PromptItem
-from asyncrl.rollout.settings import PermanentRolloutError, PromptResult, RolloutSettings
+from asyncrl.rollout.settings import (
+    PermanentRolloutError,
+    PromptResult,
+    RolloutSettings,
+    Wakeup,
+    given_up,
+)
 from asyncrl.rollout.worker import RolloutWorker
 
 #: As the Ray pool's: failures of one worker in a row (no answer between) that end the run.
-MAX_CONSECUTIVE_DEATHS = 3
 
 
 class _Host:
@@ -69,7 +74,7 @@ class LocalWorkerPool:
         self.refs: dict[cf.Future, int] = {}  # submission -> worker
         self.deaths = [0] * num_workers  # in a row, per worker: reset by any answer
         self.restarts = 0
-        self._woken: cf.Future = cf.Future()
+        self._wakeup = Wakeup()
         building = [h.call(_build(settings_for(i))) for i, h in enumerate(self.hosts)]
         errors = []
         for host, built in zip(self.hosts, building, strict=True):
@@ -96,17 +101,11 @@ class LocalWorkerPool:
         return ref
 
     def wake(self) -> None:
-        try:
-            self._woken.set_result(None)
-        except cf.InvalidStateError:  # woken already; `poll` has not taken it yet
-            pass
+        self._wakeup.wake()
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
         """Waits (never spins) until a submission ends, `wake`, or the timeout."""
-        woken = self._woken
-        cf.wait([*self.refs, woken], timeout, return_when=cf.FIRST_COMPLETED)
-        if woken.done():  # a wake racing this swap may hit the old one: harmless, as the
-            self._woken = cf.Future()  # dispatcher reads admission right after this poll
+        self._wakeup.wait(self.refs, timeout)
         out = []
         for ref in [ref for ref in self.refs if ref.done()]:
             actor = self.refs.pop(ref)
@@ -115,12 +114,7 @@ class LocalWorkerPool:
                 self.deaths[actor] = 0
             except Exception as e:  # noqa: BLE001 - a worker's own failure: re-issued
                 self.deaths[actor] += 1
-                outcome = e
-                if self.deaths[actor] >= MAX_CONSECUTIVE_DEATHS:
-                    outcome = PermanentRolloutError(
-                        f"rollout worker {actor} failed {self.deaths[actor]} times in a row; "
-                        f"last: {type(e).__name__}: {e}"
-                    )
+                outcome = given_up(actor, self.deaths[actor], e)
             out.append((actor, ref, outcome))
         return out
 

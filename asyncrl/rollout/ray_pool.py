@@ -20,11 +20,16 @@ from typing import Any
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.net import init_ray
-from asyncrl.rollout.settings import PermanentRolloutError, PromptResult, RolloutSettings
+from asyncrl.rollout.settings import (
+    PermanentRolloutError,
+    PromptResult,
+    RolloutSettings,
+    Wakeup,
+    given_up,
+)
 from asyncrl.rollout.worker import RolloutWorker
 
 #: Deaths of one worker in a row (no answer in between) after which the run stops.
-MAX_CONSECUTIVE_DEATHS = 3
 
 
 class _RayRolloutWorker:
@@ -92,7 +97,7 @@ class RayWorkerPool:
         # ref -> (actor, generation, its completion as a future: `poll` waits on the refs and
         # on `wake` at once)
         self.refs: dict[Any, tuple[int, int, cf.Future]] = {}
-        self._woken: cf.Future = cf.Future()
+        self._wakeup = Wakeup()
         self.restarts = 0
         self._check_started()
 
@@ -125,19 +130,11 @@ class RayWorkerPool:
         return ref
 
     def wake(self) -> None:
-        try:
-            self._woken.set_result(None)
-        except cf.InvalidStateError:  # woken already; `poll` has not taken it yet
-            pass
+        self._wakeup.wake()
 
     def poll(self, timeout: float) -> list[tuple[int, Any, list[PromptResult] | Exception]]:
-        # Waits (never spins: returning at once made the dispatcher take a core and the GIL
-        # whenever admission was closed) until a submission ends, `wake`, or the timeout.
-        woken = self._woken
-        waits = [done for _, _, done in self.refs.values()]
-        cf.wait([*waits, woken], timeout, return_when=cf.FIRST_COMPLETED)
-        if woken.done():  # a wake racing this swap may hit the old one: harmless, as the
-            self._woken = cf.Future()  # dispatcher reads admission right after this poll
+        """Waits (never spins) until a submission ends, `wake`, or the timeout."""
+        self._wakeup.wait([done for _, _, done in self.refs.values()], timeout)
         out = []
         for ref in [ref for ref, (_, _, done) in self.refs.items() if done.done()]:
             actor, gen, _ = self.refs.pop(ref)
@@ -145,15 +142,10 @@ class RayWorkerPool:
                 outcome: Any = self._ray.get(ref)
                 self.deaths[actor] = 0
             except Exception as e:  # noqa: BLE001 - RayActorError and task errors alike
-                outcome = e
                 if gen == self.generation[actor]:
                     self.deaths[actor] += 1
                     self._replace(actor)
-                if self.deaths[actor] >= MAX_CONSECUTIVE_DEATHS:
-                    outcome = PermanentRolloutError(
-                        f"rollout worker {actor} died {self.deaths[actor]} times in a row; "
-                        f"last: {type(e).__name__}: {e}"
-                    )
+                outcome = given_up(actor, self.deaths[actor], e, how="died")
             out.append((actor, ref, outcome))
         return out
 

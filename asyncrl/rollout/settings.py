@@ -4,12 +4,15 @@
 env) plus where this worker reads (engine URLs, tokenizer) and writes (the transport address);
 nothing is copied field by field. `sampling_params` is the one place a request's SGLang
 `sampling_params` are built (training samples, episode turns and greedy evaluation alike).
-`PermanentRolloutError` marks a failure that re-issuing the prompt cannot fix.
+`PermanentRolloutError` marks a failure that re-issuing the prompt cannot fix; `Wakeup` and
+`given_up` are the two worker pools' (Ray actors, driver threads) shared bookkeeping.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,3 +155,37 @@ def group_metadata(key: str, row: dict[str, Any], **own: Any) -> dict[str, Any]:
     level, the prompt row's fields under `DATA_KEY`. The row can name a column anything
     (`prompt_key` included) without touching asyncrl's keys."""
     return {"prompt_key": key, **own, DATA_KEY: plain_metadata(row)}
+
+
+#: Failures of one worker in a row (no answer between) that end the run instead of a re-issue.
+MAX_CONSECUTIVE_DEATHS = 3
+
+
+class Wakeup:
+    """What lets a pool's `poll` wait (never spin: returning at once made the dispatcher take a
+    core and the GIL whenever admission was closed) until a submission ends or `wake` runs."""
+
+    def __init__(self) -> None:
+        self._woken: cf.Future = cf.Future()
+
+    def wake(self) -> None:
+        try:
+            self._woken.set_result(None)
+        except cf.InvalidStateError:  # woken already; `wait` has not taken it yet
+            pass
+
+    def wait(self, futures: Iterable[cf.Future], timeout: float) -> None:
+        woken = self._woken
+        cf.wait([*futures, woken], timeout, return_when=cf.FIRST_COMPLETED)
+        if woken.done():  # a wake racing this swap may hit the old one: harmless, as the
+            self._woken = cf.Future()  # dispatcher reads admission right after this poll
+
+
+def given_up(actor: int, deaths: int, error: Exception, how: str = "failed") -> Exception:
+    """`error` as `poll` hands it over: itself (the dispatcher re-issues the prompts), or, after
+    `MAX_CONSECUTIVE_DEATHS` failures in a row of one worker, the run's end."""
+    if deaths < MAX_CONSECUTIVE_DEATHS:
+        return error
+    return PermanentRolloutError(
+        f"rollout worker {actor} {how} {deaths} times in a row; last: {type(error).__name__}: {error}"
+    )
