@@ -261,21 +261,17 @@ def user_error(exc: BaseException) -> BaseException | None:
     return None
 
 
-#: The status `_end_quickly` ends the process with (empty: the process exits as Python does).
-_EXIT_STATUS: list[int] = []
-
-
-def _end_quickly() -> None:
+def _end_quickly(status: list[int]) -> None:
     """An exit handler for `asyncrl run` on the command line, registered before the run
     imports anything that registers its own, so it runs last: once every thread has finished
     and every other handler has run (Ray's shutdown, logging's flush), it ends the process
     without tearing the interpreter down. With torch and transformers loaded that teardown
     takes seconds (2.0-4.5 s measured on the 2-core box, against 0.1) and frees nothing the
     operating system would not; the engine server ends the same way."""
-    if _EXIT_STATUS:
+    if status:  # empty: `main` left by an exception, which exits as Python does
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(_EXIT_STATUS[0])
+        os._exit(status[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     # The process's own command line (the console script, `python -m`), never a caller's
     # `main([...])`: that process is the caller's, to end as it likes.
     quick = argv is None and args.command == "run"
+    ended: list[int] = []  # the status `_end_quickly` ends the process with
     if quick:
-        atexit.register(_end_quickly)
+        atexit.register(_end_quickly, ended)
     status = _dispatch(parser, args)
     if quick:  # an exception leaving `main` exits as Python does (its traceback shown)
-        _EXIT_STATUS.append(status)
+        ended.append(status)
     return status
 
 
