@@ -1,0 +1,201 @@
+"""Rollout workers as child processes of the driver (`rollout/process_pool.py`,
+`rollout.worker_pool: process`): real RolloutWorkers in real child processes against a scripted
+engine, groups pushed to a real receiver; a worker that cannot start stops the pool at once
+with the real message; a worker process killed mid-submission is replaced and its prompts
+re-issued by the real dispatcher; one that keeps dying ends the run; the workers end with the
+driver, even one killed by `kill -9`; and a real shrunk loop runs on them without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from asyncrl.data.prompts import PromptItem
+from asyncrl.replay import ReplayConfig, ReplayQueue
+from asyncrl.rollout.dispatch import Dispatcher
+from asyncrl.rollout.process_pool import ProcessWorkerPool, RolloutWorkerDied
+from asyncrl.rollout.settings import MAX_CONSECUTIVE_DEATHS, PermanentRolloutError
+from asyncrl.transport.zmq import Receiver, ReceiverConfig
+from tests.helpers import descendants, running, wait_for
+from tests.test_errors_retry import SECRET, ScriptedEngine, _serving, item, worker_settings
+from tests.test_errors_retry import tok_dir as tok_dir  # noqa: F401 - the module's fixture
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def children() -> set[int]:
+    return descendants(os.getpid()) - {os.getpid()}
+
+
+def _holding_engine(release: threading.Event, arrived: threading.Event):
+    """/generate that says a request arrived, then answers only once `release` is set."""
+    engine = ScriptedEngine([])
+
+    async def hold(request: web.Request) -> web.Response:
+        arrived.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 120)
+        return await engine.generate(request)
+
+    return hold
+
+
+def test_workers_are_child_processes_that_generate_and_push_groups(tok_dir):  # noqa: F811
+    engine = ScriptedEngine([])
+    with Receiver(ReceiverConfig(secret=SECRET)) as receiver, _serving(engine.generate) as port:
+        pool = ProcessWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 2)
+        try:
+            pids = pool.pids()
+            assert pool.size() == 2 and len(set(pids)) == 2 and os.getpid() not in pids
+            assert set(pids) <= children()  # children of this process, not Ray's
+            second = PromptItem("e0-i1", [15, 10, 15], "1+0=", {"answer": "1"})
+            refs = {pool.submit(0, [item()]), pool.submit(1, [second])}
+            done = []
+            while len(done) < 2:
+                done += pool.poll(30)
+            assert {ref for _, ref, _ in done} == refs
+            results = {r.key: r for _, _, out in done for r in out}
+            assert sorted(results) == ["e0-i0", "e0-i1"]
+            assert all(r.ok for r in results.values()), results
+            groups = [receiver.get(timeout_s=30) for _ in range(2)]
+            assert sorted(g.group_id for g in groups) == ["e0-i0", "e0-i1"]
+            assert pool.metrics() == {
+                "rollout/worker_processes": 2.0, "rollout/worker_restarts": 0.0,
+            }  # fmt: skip
+        finally:
+            pool.close()
+    assert not any(running(pid) for pid in pids)  # close ended them
+
+
+def test_a_worker_that_cannot_start_stops_the_pool_at_once(tok_dir):  # noqa: F811
+    before = children()
+    with Receiver(ReceiverConfig(secret=SECRET)) as receiver:
+        settings = worker_settings(tok_dir, 9, receiver, reward_fn="bogus")
+        with pytest.raises(PermanentRolloutError) as raised:
+            ProcessWorkerPool(lambda index: settings, 2)
+    message = str(raised.value)
+    assert message.startswith("rollout worker 0 failed to start: RewardError: unknown reward")
+    assert message.endswith("(or a 'package.module:function' path)")  # whole, not cut
+    assert not children() - before  # the pool ended its workers before it raised
+
+
+def test_poll_ends_on_wake_with_a_submission_in_flight(tok_dir):  # noqa: F811
+    release, arrived = threading.Event(), threading.Event()
+    with (
+        Receiver(ReceiverConfig(secret=SECRET)) as receiver,
+        _serving(_holding_engine(release, arrived)) as port,
+    ):
+        pool = ProcessWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 1)
+        try:
+            pool.submit(0, [item()])
+            returned, got = threading.Event(), []
+            poller = threading.Thread(target=lambda: (got.extend(pool.poll(600)), returned.set()))
+            poller.start()
+            pool.wake()
+            assert returned.wait(30), "wake did not end the poll"
+            assert got == [] and len(pool.refs) == 1  # nothing ended: it was the wake
+        finally:
+            release.set()
+            pool.close()
+
+
+def test_a_killed_worker_is_replaced_and_its_prompts_reissued(tok_dir):  # noqa: F811
+    """The real dispatcher and ledger: the prompt the killed worker held goes back to pending,
+    is handed to its replacement, and reaches the receiver."""
+    release, arrived = threading.Event(), threading.Event()
+    with (
+        Receiver(ReceiverConfig(secret=SECRET)) as receiver,
+        _serving(_holding_engine(release, arrived)) as port,
+    ):
+        pool = ProcessWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 1)
+        queue = ReplayQueue(ReplayConfig(max_staleness=0, rollout_batch_size=1))
+        keys = iter(f"e0-i{i}" for i in range(1000))
+
+        def next_prompt() -> PromptItem:
+            return PromptItem(next(keys), [15, 10, 17], "1+1=", {"answer": "2"})
+
+        first = pool.pids()[0]
+        try:
+            with Dispatcher(pool, queue, next_prompt, max_inflight_per_worker=1) as dispatcher:
+                assert arrived.wait(60), "no request reached the engine"
+                held = [p["key"] for p in queue.admission.outstanding()]
+                assert held == ["e0-i0"]
+                os.kill(first, signal.SIGKILL)
+                wait_for(lambda: dispatcher.counters["reissued"] >= 1, "the re-issue", 60)
+                release.set()
+                group = receiver.get(timeout_s=60)
+                assert dispatcher.error is None
+        finally:
+            release.set()
+            pool.close()
+    assert group.group_id == "e0-i0"  # the replacement delivered the killed worker's prompt
+    assert pool.restarts == 1 and dispatcher.counters["actor_failures"] == 1
+    assert "process (pid" in dispatcher.last_error and "killed by SIGKILL" in dispatcher.last_error
+    assert not running(first)
+
+
+def test_a_worker_that_keeps_dying_ends_the_run(tok_dir):  # noqa: F811
+    release, arrived = threading.Event(), threading.Event()
+    with (
+        Receiver(ReceiverConfig(secret=SECRET)) as receiver,
+        _serving(_holding_engine(release, arrived)) as port,
+    ):
+        pool = ProcessWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 1)
+        outcomes = []
+        try:
+            for attempt in range(MAX_CONSECUTIVE_DEATHS):
+                arrived.clear()
+                pool.submit(0, [PromptItem(f"e0-i{attempt}", [15, 10, 17], "1+1=")])
+                assert arrived.wait(60), "the submission did not reach the engine"
+                os.kill(pool.pids()[0], signal.SIGKILL)
+                while len(outcomes) <= attempt:
+                    outcomes += [outcome for _, _, outcome in pool.poll(30)]
+        finally:
+            release.set()
+            pool.close()
+    assert [type(o) for o in outcomes] == [
+        RolloutWorkerDied, RolloutWorkerDied, PermanentRolloutError,
+    ]  # fmt: skip
+    assert "died 3 times in a row; last: RolloutWorkerDied: rollout worker 0's process" in str(
+        outcomes[-1]
+    )
+    assert pool.restarts == MAX_CONSECUTIVE_DEATHS
+
+
+# A driver that starts two workers, says their pids, then waits to be killed.
+DRIVER = """
+import sys, threading
+from asyncrl.rollout.process_pool import ProcessWorkerPool
+from asyncrl.transport.zmq import Receiver, ReceiverConfig
+from tests.test_errors_retry import worker_settings
+receiver = Receiver(ReceiverConfig(secret=b"s" * 32))
+pool = ProcessWorkerPool(lambda i: worker_settings(sys.argv[1], 9, receiver), 2)
+print(" ".join(map(str, pool.pids())), flush=True)
+threading.Event().wait()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_kill_9_of_the_driver_leaves_no_worker_behind(tok_dir):  # noqa: F811
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(tok_dir)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2 and all(running(pid) for pid in pids)
+        driver.kill()
+        driver.wait(30)
+        wait_for(lambda: not any(running(pid) for pid in pids), "the workers to exit", 30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
