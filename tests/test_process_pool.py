@@ -143,23 +143,18 @@ def test_a_killed_worker_is_replaced_and_its_prompts_reissued(tok_dir):  # noqa:
 
 
 def test_a_worker_that_keeps_dying_ends_the_run(tok_dir):  # noqa: F811
-    release, arrived = threading.Event(), threading.Event()
-    with (
-        Receiver(ReceiverConfig(secret=SECRET)) as receiver,
-        _serving(_holding_engine(release, arrived)) as port,
-    ):
-        pool = ProcessWorkerPool(lambda index: worker_settings(tok_dir, port, receiver), 1)
-        outcomes = []
+    """Each replacement is killed with the submission in its pipe, before it even starts."""
+    with Receiver(ReceiverConfig(secret=SECRET)) as receiver:
+        pool = ProcessWorkerPool(lambda index: worker_settings(tok_dir, 9, receiver), 1)
+        outcomes, killed = [], []
         try:
             for attempt in range(MAX_CONSECUTIVE_DEATHS):
-                arrived.clear()
                 pool.submit(0, [PromptItem(f"e0-i{attempt}", [15, 10, 17], "1+1=")])
-                assert arrived.wait(60), "the submission did not reach the engine"
-                os.kill(pool.pids()[0], signal.SIGKILL)
+                killed.append(pool.pids()[0])
+                os.kill(killed[-1], signal.SIGKILL)
                 while len(outcomes) <= attempt:
                     outcomes += [outcome for _, _, outcome in pool.poll(30)]
         finally:
-            release.set()
             pool.close()
     assert [type(o) for o in outcomes] == [
         RolloutWorkerDied, RolloutWorkerDied, PermanentRolloutError,
@@ -167,17 +162,20 @@ def test_a_worker_that_keeps_dying_ends_the_run(tok_dir):  # noqa: F811
     assert "died 3 times in a row; last: RolloutWorkerDied: rollout worker 0's process" in str(
         outcomes[-1]
     )
-    assert pool.restarts == MAX_CONSECUTIVE_DEATHS
+    assert pool.restarts == MAX_CONSECUTIVE_DEATHS and len(set(killed)) == MAX_CONSECUTIVE_DEATHS
+    assert not any(running(pid) for pid in killed)
 
 
 # A driver that starts two workers, says their pids, then waits to be killed.
 DRIVER = """
 import sys, threading
 from asyncrl.rollout.process_pool import ProcessWorkerPool
+from asyncrl.rollout.settings import RolloutSettings
 from asyncrl.transport.zmq import Receiver, ReceiverConfig
-from tests.test_errors_retry import worker_settings
 receiver = Receiver(ReceiverConfig(secret=b"s" * 32))
-pool = ProcessWorkerPool(lambda i: worker_settings(sys.argv[1], 9, receiver), 2)
+settings = RolloutSettings(["http://127.0.0.1:9"], "127.0.0.1", receiver.port, sys.argv[1],
+                           transport_secret=b"s" * 32)
+pool = ProcessWorkerPool(lambda i: settings, 2)
 print(" ".join(map(str, pool.pids())), flush=True)
 threading.Event().wait()
 """
@@ -185,7 +183,8 @@ threading.Event().wait()
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_kill_9_of_the_driver_leaves_no_worker_behind(tok_dir):  # noqa: F811
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(tok_dir)], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, text=True,
@@ -199,3 +198,35 @@ def test_kill_9_of_the_driver_leaves_no_worker_behind(tok_dir):  # noqa: F811
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def test_a_run_on_worker_processes_trains_and_never_starts_ray(tiny_model, tmp_path, monkeypatch):
+    """`rollout.worker_pool: process` on the one-host default: the engines are the driver's
+    subprocesses and the one-process learner needs no Ray, so Ray never starts; the rollout
+    workers were child processes of the driver (the metrics say so), ended with the run."""
+    import asyncrl.run as run_module
+    from asyncrl import net
+    from asyncrl.startup import WorkerStart
+    from tests.test_e2e import read_rows, shrunk
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the run started Ray")
+
+    seen: dict[str, object] = {}
+    pool = WorkerStart.pool
+
+    def spy_pool(workers):
+        seen["pool"] = pool(workers)
+        seen["pids"] = seen["pool"].pids()
+        return seen["pool"]
+
+    monkeypatch.setattr(net, "_init_ray", no_ray)
+    monkeypatch.setattr(WorkerStart, "pool", spy_pool)
+    extra = ("max_steps=2", "logging.eval_interval=0", "rollout.worker_pool=process")
+    summary = run_module.run(shrunk(tiny_model, tmp_path, *extra))
+    assert summary["steps"] >= 2
+    assert isinstance(seen["pool"], ProcessWorkerPool) and len(seen["pids"]) == 2
+    assert not any(running(pid) for pid in seen["pids"])  # ended with the run
+    rows = [r for r in read_rows(tmp_path) if r.get("version") is not None]
+    assert all(r["rollout/worker_processes"] == 2 for r in rows)
+    assert rows[-1]["transport/received"] >= 2 * 2  # the groups came from the processes
