@@ -230,3 +230,28 @@ def test_a_run_on_worker_processes_trains_and_never_starts_ray(tiny_model, tmp_p
     rows = [r for r in read_rows(tmp_path) if r.get("version") is not None]
     assert all(r["rollout/worker_processes"] == 2 for r in rows)
     assert rows[-1]["transport/received"] >= 2 * 2  # the groups came from the processes
+
+
+def test_a_failed_learner_build_ends_the_worker_processes_started_before_it(
+    tiny_model, tmp_path, monkeypatch
+):
+    import asyncrl.run as run_module
+    from asyncrl.startup import WorkerStart
+    from tests.test_e2e import shrunk
+
+    seen: dict[str, object] = {}
+    start = WorkerStart.__init__
+
+    def spy_start(workers, *args, **kwargs):
+        seen["workers"] = workers
+        return start(workers, *args, **kwargs)
+
+    def failing_build(*args, **kwargs):
+        seen["pids"] = seen["workers"].pool().pids()  # their start is under way: let it end
+        raise RuntimeError("learner build failed")
+
+    monkeypatch.setattr(WorkerStart, "__init__", spy_start)
+    monkeypatch.setattr(run_module, "build_learner", failing_build)
+    with pytest.raises(RuntimeError, match="learner build failed"):
+        run_module.run(shrunk(tiny_model, tmp_path, "rollout.worker_pool=process"))
+    assert len(seen["pids"]) == 2 and not any(running(pid) for pid in seen["pids"])

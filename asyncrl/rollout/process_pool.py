@@ -249,7 +249,10 @@ class ProcessWorkerPool:
         """The pool's own figures: its live worker processes (children of the driver) and the
         replacements so far."""
         alive = sum(child.proc.poll() is None for child in self.children)
-        return {"rollout/worker_processes": float(alive), "rollout/worker_restarts": float(self.restarts)}
+        return {
+            "rollout/worker_processes": float(alive),
+            "rollout/worker_restarts": float(self.restarts),
+        }
 
     def close(self, grace_s: float = 2.0) -> None:
         """End the workers: each closes its connections and exits (at most `grace_s` in all),
