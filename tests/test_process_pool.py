@@ -122,7 +122,10 @@ def test_a_killed_worker_is_replaced_and_its_prompts_reissued(tok_dir):  # noqa:
         def next_prompt() -> PromptItem:
             return PromptItem(next(keys), [15, 10, 17], "1+1=", {"answer": "2"})
 
-        first = pool.pids()[0]
+        first, cpus = pool.pids()[0], os.sched_getaffinity(0)
+        # The driver pins itself once its workers started (a child inherits its creator's
+        # affinity): the dispatcher's thread, which spawns the replacement, is pinned here.
+        os.sched_setaffinity(0, {min(cpus)})
         try:
             with Dispatcher(pool, queue, next_prompt, max_inflight_per_worker=1) as dispatcher:
                 assert arrived.wait(60), "no request reached the engine"
@@ -133,7 +136,9 @@ def test_a_killed_worker_is_replaced_and_its_prompts_reissued(tok_dir):  # noqa:
                 release.set()
                 group = receiver.get(timeout_s=60)
                 assert dispatcher.error is None
+                assert os.sched_getaffinity(pool.pids()[0]) == cpus  # the replacement: not pinned
         finally:
+            os.sched_setaffinity(0, cpus)
             release.set()
             pool.close()
     assert group.group_id == "e0-i0"  # the replacement delivered the killed worker's prompt

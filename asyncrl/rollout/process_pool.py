@@ -70,7 +70,7 @@ def _exit_status(code: int | None) -> str:
 class _Child:
     """One worker process, its two pipes, and the reader thread that settles its submissions."""
 
-    def __init__(self, index: int, settings: RolloutSettings) -> None:
+    def __init__(self, index: int, settings: RolloutSettings, cpus: list[int]) -> None:
         self.index = index
         cmd_read, cmd_write = os.pipe()
         answer_read, answer_write = os.pipe()
@@ -95,7 +95,10 @@ class _Child:
         self.ended: str = ""  # why the process ended, once its pipe has
         self.started: cf.Future[str] = cf.Future()  # '' or why the worker could not start
         self._ids = itertools.count()
-        self.send({"parent": os.getpid(), **settings_to_wire(settings)})
+        try:  # `cpus`: a replacement spawned once the driver pinned itself is not confined
+            self.send({"parent": os.getpid(), "cpus": cpus, **settings_to_wire(settings)})
+        except OSError:  # it died at once: the reader finds out why (its exit status)
+            pass
         self.reader = threading.Thread(
             target=self._read, name=f"asyncrl-rollout-proc-{index}", daemon=True
         )
@@ -181,6 +184,9 @@ class ProcessWorkerPool:
 
     def __init__(self, settings_for: Callable[[int], RolloutSettings], num_workers: int) -> None:
         self._settings_for = settings_for
+        # The cores the workers may use: the driver's now, before it pins itself to the
+        # learner's (a child inherits its creator's affinity; workers are never pinned).
+        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.children: list[_Child] = []
         self.generation = [0] * num_workers
         self.deaths = [0] * num_workers  # in a row, per worker: reset by any answer
@@ -189,7 +195,7 @@ class ProcessWorkerPool:
         self._wakeup = Wakeup()
         try:
             for index in range(num_workers):
-                self.children.append(_Child(index, settings_for(index)))
+                self.children.append(_Child(index, settings_for(index), self._cpus))
             errors = [child.started.result() for child in self.children]
         except BaseException:
             self.close()
@@ -238,7 +244,7 @@ class ProcessWorkerPool:
         old = self.children[actor]
         old.kill()
         old.release(timeout=0)
-        self.children[actor] = _Child(actor, self._settings_for(actor))
+        self.children[actor] = _Child(actor, self._settings_for(actor), self._cpus)
         self.generation[actor] += 1
         self.restarts += 1
 

@@ -2,8 +2,9 @@
 `python -m asyncrl.rollout.process_worker CMD_FD ANSWER_FD`, started by `process_pool.py`.
 
 The channel is two pipes the driver passed down (never the command line, which `ps` shows):
-length-framed msgpack maps, never pickle. Driver → worker: first `{"settings", "secret"}` (the
-worker's own sub-config, `settings_to_wire`), then `{"id", "items"}` per submission and
+length-framed msgpack maps, never pickle. Driver → worker: first `{"settings", "secret",
+"parent", "cpus"}` (the worker's own sub-config, `settings_to_wire`; the driver's pid; the
+cores it may use: the driver's before it pinned itself), then `{"id", "items"}` per submission and
 `{"close"}` at the end. Worker → driver: `{"started": ""}` (or why it could not start), then
 one `{"id", "results"}` or `{"id", "error"}` per submission.
 
@@ -173,6 +174,8 @@ def main(argv: list[str]) -> None:
         hello = unpack(commands.recv_bytes())
     except (EOFError, OSError, ValueError):
         os._exit(0)  # the driver went before it sent the settings
+    if hello.get("cpus") and hasattr(os, "sched_setaffinity"):  # before any other thread
+        os.sched_setaffinity(0, hello["cpus"])
     try:
         asyncio.run(serve(commands, answers, hello))
     except BaseException as e:  # noqa: BLE001 - said on stderr; the driver sees the exit
