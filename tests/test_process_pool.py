@@ -260,3 +260,16 @@ def test_a_failed_learner_build_ends_the_worker_processes_started_before_it(
     with pytest.raises(RuntimeError, match="learner build failed"):
         run_module.run(shrunk(tiny_model, tmp_path, "rollout.worker_pool=process"))
     assert len(seen["pids"]) == 2 and not any(running(pid) for pid in seen["pids"])
+
+
+def test_worker_processes_are_refused_where_workers_run_beside_engines_on_the_nodes():
+    from asyncrl.config import ConfigError, load_config
+
+    cluster = [
+        "cluster.address=auto",
+        "cluster.bind_host=0.0.0.0",
+        "rollout.transport_host=0.0.0.0",
+    ]
+    with pytest.raises(ConfigError, match="rollout.worker_pool 'process' with cluster.address"):
+        load_config(None, [*cluster, "rollout.worker_pool=process"])
+    load_config(None, [*cluster, "rollout.worker_pool=ray"])  # ray stays the cluster's
