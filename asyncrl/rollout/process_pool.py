@@ -143,10 +143,12 @@ class _Child:
                 done = self.pending.pop(message.get("id"), None)
             if done is None:
                 continue
-            if "error" in message:
-                done.set_exception(RolloutWorkerFailed(message["error"]))
-            else:
+            try:
+                if "error" in message:
+                    raise RolloutWorkerFailed(message["error"])
                 done.set_result(results_from_wire(message["results"]))
+            except Exception as e:  # noqa: BLE001 - its error, or an answer not understood
+                done.set_exception(e)
         try:
             code = self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
