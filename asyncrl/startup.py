@@ -70,7 +70,8 @@ def launch_engines(
 
 
 class WorkerStart:
-    """The ZMQ receiver (at once) and the rollout workers (Ray actors). With the engines'
+    """The ZMQ receiver (at once) and the rollout workers (Ray actors, or the driver's threads
+    or child processes: `rollout.worker_pool`). With the engines'
     URLs known (`EngineFleet.spawn` started them), Ray and the workers start at once in a
     thread of their own, so they boot while the driver builds its learner; `pool` waits for
     them. Otherwise (a launcher whose `launch` waits for each engine) `pool` starts them, from
