@@ -309,11 +309,12 @@ class RolloutConfig:
     prompts re-issued): no Ray daemons to start and no interpreter lock shared with the
     learner, but each worker imports the rollout stack and its tokenizer itself (~2 s of CPU).
     Measured on the CPU default (`asyncrl run configs/default.yaml logging.eval_interval=0`,
-    9 interleaved rounds of 200 steps, the 2-core box at load 5-10, 2026-11-28), medians ray /
-    driver / process: whole command 59 / 46 / 48 s, first trained batch 28 / 10 / 20 s, loop
-    1.0 / 0.80 / 0.86x Ray's completions/s (per round, process/Ray's median 0.96x: the load
-    swamps the difference), so `ray` stays the default. Refused with `cluster.address` unless
-    `ray`: there the workers run beside their engines on the nodes."""
+    interleaved rounds, the loaded 2-core box at load 5-10, 2026-11-28), medians ray / driver /
+    process: its 60 steps (6 rounds) whole command 52 / 31 / 33 s, first trained batch 29 / 12 /
+    15 s; 200 steps (9 rounds) loop completions/s 1.0 / 0.80 / 0.86x Ray's (process/Ray's
+    median per round 0.96x, from 0.4x to 1.8x: the load swamps the difference), so `ray` stays
+    the default. Refused with `cluster.address` unless `ray`: there the workers run beside
+    their engines on the nodes."""
     reward_fn: str = "arithmetic_exact"
     """Reward by registry name or `package.module:function`; the path is imported when the config
     loads, so a typo fails validation."""
