@@ -5,7 +5,7 @@ hf engine imports torch and reads the embedded model's weights straight into the
 `engine/hf/lean_model.py`, beside the driver's learner build), then the ZMQ receiver and the
 rollout workers (`WorkerStart`, in a thread of its own while the learner is built: Ray and the
 worker actors, or with `rollout.worker_pool: driver` threads of the driver,
-`rollout/local_pool.py`), then, once the learner exists,
+`rollout/local_pool.py`, or with `process` child processes, `rollout/process_pool.py`), then, once the learner exists,
 `start_rollout` waits for both, pushes the learner's weights to the engines and starts the
 dispatcher and the pump. Every start registers its stop on the run's ExitStack, so a failure
 at any point stops what already runs, in reverse order.
@@ -38,7 +38,10 @@ if TYPE_CHECKING:  # imported where they start: the engine layer and Ray load on
     from asyncrl.engine.fleet import EngineFleet
     from asyncrl.net import AsyncRunner
     from asyncrl.rollout.local_pool import LocalWorkerPool
+    from asyncrl.rollout.process_pool import ProcessWorkerPool
     from asyncrl.rollout.ray_pool import RayWorkerPool
+
+    RolloutPool = RayWorkerPool | LocalWorkerPool | ProcessWorkerPool
 
 
 #: At exit, how long to wait for a rollout workers' start still under way (Ray and the actors
@@ -67,7 +70,8 @@ def launch_engines(
 
 
 class WorkerStart:
-    """The ZMQ receiver (at once) and the rollout workers (Ray actors). With the engines'
+    """The ZMQ receiver (at once) and the rollout workers (Ray actors, or the driver's threads
+    or child processes: `rollout.worker_pool`). With the engines'
     URLs known (`EngineFleet.spawn` started them), Ray and the workers start at once in a
     thread of their own, so they boot while the driver builds its learner; `pool` waits for
     them. Otherwise (a launcher whose `launch` waits for each engine) `pool` starts them, from
@@ -94,8 +98,8 @@ class WorkerStart:
         )
         stop_later(stack, self.receiver.close)  # PULL socket, read by the pump; asyncrl-zap
         self.tokenizer_class = tokenizer_class_name(tokenizer)  # the workers skip AutoTokenizer
-        self._started: cf.Future[RayWorkerPool | LocalWorkerPool] | None = None
-        self._pool: RayWorkerPool | LocalWorkerPool | None = None
+        self._started: cf.Future[RolloutPool] | None = None
+        self._pool: RolloutPool | None = None
         self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
         stop_later(stack, self._close)
         self.uses_ray = uses_ray(cfg)
@@ -118,9 +122,13 @@ class WorkerStart:
             made = dataclasses.replace(made, transport_host=advertised_host(host))
         return made
 
-    def _start(self) -> RayWorkerPool | LocalWorkerPool:  # Ray actors, or threads of this one
-        n = self.cfg.rollout.num_actors
-        if not self.uses_ray:
+    def _start(self) -> RolloutPool:  # Ray actors, threads of this one, or its children
+        n, where = self.cfg.rollout.num_actors, self.cfg.rollout.worker_pool
+        if where == "process":
+            from asyncrl.rollout.process_pool import ProcessWorkerPool
+
+            return ProcessWorkerPool(self.settings, n)
+        if where == "driver":
             from asyncrl.rollout.local_pool import LocalWorkerPool
 
             return LocalWorkerPool(self.settings, n)
@@ -135,7 +143,7 @@ class WorkerStart:
         except BaseException as e:  # handed to `pool`'s caller
             started.set_exception(e)
 
-    def pool(self) -> RayWorkerPool | LocalWorkerPool:
+    def pool(self) -> RolloutPool:
         """The workers, their start waited for (or run here); raises what it raised. From the
         main thread."""
         if self._pool is None:
@@ -193,8 +201,9 @@ def start_rollout(
 
 
 def uses_ray(cfg: Config) -> bool:
-    """Whether the rollout workers are Ray actors (`rollout.worker_pool`), else threads of the
-    driver."""
+    """Whether the rollout workers are Ray actors (`rollout.worker_pool`), else threads or
+    child processes of the driver (no Ray on one host: the engines are its subprocesses and a
+    one-process learner needs none)."""
     return cfg.rollout.worker_pool == "ray"
 
 

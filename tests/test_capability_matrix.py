@@ -226,6 +226,10 @@ def check_effects(choice: dict[str, Any], rows: list[dict[str, Any]], out=None) 
     if {"dedicated", "pinned", "auto"} & set(evaluated):  # every step, on its own weights
         assert all(r["eval/version"] == r["step"] for r in rows), _seen(rows, "eval/version")
         assert not any(r.get("rollout/eval_failures") for r in rows), _seen(rows, "eval")
+    if choice.get("rollout.worker_pool") == "process":  # child processes of the driver
+        assert all(r["rollout/worker_processes"] == 1 for r in rows), rows  # BASE: 1 worker
+    elif "rollout.worker_pool" in choice:  # Ray actors or the driver's threads: none of those
+        assert not any("rollout/worker_processes" in r for r in rows)
     if choice.get("algorithm.correction_mode") == "bypass":
         assert all(r["mismatch/rollout_is_mean"] == pytest.approx(1.0) for r in rows)
     check_schedules(choice, rows)

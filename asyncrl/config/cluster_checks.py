@@ -29,10 +29,10 @@ def check_cluster(cfg: Config) -> None:
             f"cluster.bind_host {cl.bind_host!r}: set one"
         )
     if cl.address.strip():
-        if cfg.rollout.worker_pool == "driver":
+        if cfg.rollout.worker_pool != "ray":
             raise ConfigError(
-                "rollout.worker_pool 'driver' with cluster.address: a multi-node run's rollout "
-                "workers are Ray actors beside their engines (set ray or auto)"
+                f"rollout.worker_pool {cfg.rollout.worker_pool!r} with cluster.address: a "
+                "multi-node run's rollout workers are Ray actors beside their engines (set ray)"
             )
         _check_multinode(cfg)
         return

@@ -297,14 +297,24 @@ class RolloutConfig:
     num_actors: int = 2
     """Rollout workers, each driving its share of engines (Ray actors or threads of the
     driver: `worker_pool`)."""
-    worker_pool: Literal["ray", "driver"] = "ray"
+    worker_pool: Literal["ray", "driver", "process"] = "ray"
     """Where the rollout workers run. `ray`: as Ray actors, one process each (Ray starts
     locally unless the run joins a cluster). `driver`: as threads of the driver process, no
     Ray at all: a shorter start (Ray's daemons and a process per worker are most of the CPU
     default's; the whole command's CPU 31 s -> 17-18 s), a slower loop (the workers' Python
     shares the driver's interpreter lock and core with the learner: 0.6-0.85x the completions/s
-    of Ray's workers on the CPU default, the loaded 2-core box, 2026-11-28). Refused with
-    `cluster.address`: there the workers run beside their engines on the nodes."""
+    of Ray's workers on the CPU default, the loaded 2-core box, 2026-11-28). `process`: each a
+    plain child process of the driver (`rollout/process_pool.py`: msgpack over pipes, no Ray
+    on one host, ended with the driver even on `kill -9`; a dead one is replaced and its
+    prompts re-issued): no Ray daemons to start and no interpreter lock shared with the
+    learner, but each worker imports the rollout stack and its tokenizer itself (~2 s of CPU).
+    Measured on the CPU default (`asyncrl run configs/default.yaml logging.eval_interval=0`,
+    interleaved rounds, the loaded 2-core box at load 5-10, 2026-11-28), medians ray / driver /
+    process: its 60 steps (6 rounds) whole command 52 / 31 / 33 s, first trained batch 29 / 12 /
+    15 s; 200 steps (9 rounds) loop completions/s 1.0 / 0.80 / 0.86x Ray's (process/Ray's
+    median per round 0.96x, from 0.4x to 1.8x: the load swamps the difference), so `ray` stays
+    the default. Refused with `cluster.address` unless `ray`: there the workers run beside
+    their engines on the nodes."""
     reward_fn: str = "arithmetic_exact"
     """Reward by registry name or `package.module:function`; the path is imported when the config
     loads, so a typo fails validation."""

@@ -195,4 +195,7 @@ class Dispatcher:
     def metrics(self) -> dict[str, float]:
         out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
         out["rollout/inflight_prompts"] = float(self.admission.running())
+        own = getattr(self.pool, "metrics", None)  # a pool's own figures, where it has them
+        if own is not None:
+            out.update(own())
         return out
