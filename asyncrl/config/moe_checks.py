@@ -5,12 +5,51 @@ each, naming the key and the reason."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config.schema import Config, ConfigError
 
 #: model_type values whose routers `asyncrl.moe` records and replays exactly.
 MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})
+
+
+def expert_count(hf: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer of an HF config (0: dense). Qwen3-MoE's config.json says
+    `num_experts`; transformers 5 saves it as `num_local_experts`."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def moe_layers(hf: Mapping[str, Any]) -> tuple[int, ...]:
+    """The layers of a Qwen-MoE config whose MLP routes to experts: layer i does when it is not
+    in `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step` (transformers'
+    Qwen3MoeDecoderLayer's rule); () for a dense model."""
+    if not expert_count(hf):
+        return ()
+    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+    return tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def model_config(cfg: Config) -> dict[str, Any] | None:
+    """actor_train's HF config as a dict: the embedded model's (`embedded_arch`), or the model
+    directory's config.json; None where it cannot be read yet (the run says why)."""
+    args = cfg.actor_train.model_args
+    if not args.model_name_or_path:
+        from asyncrl.models.tiny import embedded_spec
+
+        spec = embedded_spec(arch=args.embedded_arch)
+        if spec.arch == "dense":
+            return {"model_type": "qwen2", "num_hidden_layers": spec.num_layers}
+        return {"model_type": "qwen3_moe", "num_hidden_layers": spec.num_layers,
+                "num_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+                "moe_intermediate_size": spec.moe_intermediate_size}  # fmt: skip
+    path = Path(args.model_name_or_path) / "config.json"
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def check_moe(cfg: Config) -> None:

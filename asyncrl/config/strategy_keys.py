@@ -193,6 +193,46 @@ def _did_you_mean(key: str, known: tuple[str, ...]) -> str:
     return f" (it reads {', '.join(known)})"
 
 
+def expert_problem(hf: Mapping[str, Any], sc: Mapping[str, Any], world: int) -> str | None:
+    """What in a megatron_train strategy_config's expert parallelism this model (its HF config)
+    on `world` ranks cannot take, one line from `strategy_config.<key>`, or None.
+
+    expert_model_parallel_size (EP): the experts of every MoE layer are split over EP ranks
+    (each holds num_experts / EP of them and tokens travel to their experts' rank, Megatron's
+    all-to-all dispatcher); expert_tensor_parallel_size (ETP, default: the TP size): each
+    expert's MLP is split over ETP ranks like a dense one over TP. The expert layout, ETP x EP
+    x expert-DP x PP, must fill the ranks as TP x CP x DP x PP does."""
+    ep = sc.get("expert_model_parallel_size") or 1
+    etp = sc.get("expert_tensor_parallel_size")
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts")
+                  or hf.get("n_routed_experts") or 0)  # fmt: skip
+    if not experts:
+        for key in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+            if (sc.get(key) or 1) > 1:
+                return (f"strategy_config.{key}: the model ({hf.get('model_type')!r}) is dense, "
+                        "it has no experts to split")  # fmt: skip
+        return None
+    if experts % ep:
+        return (f"strategy_config.expert_model_parallel_size {ep} must divide the model's "
+                f"{experts} experts")  # fmt: skip
+    tp, pp = sc.get("tensor_model_parallel_size") or 1, sc.get("pipeline_model_parallel_size") or 1
+    etp = etp or tp
+    width = int(hf.get("moe_intermediate_size") or 0)
+    if width and width % etp:
+        return (f"strategy_config.expert_tensor_parallel_size {etp} must divide the experts' "
+                f"FFN size ({width})")  # fmt: skip
+    if world % (etp * ep * pp):
+        return (f"strategy_config.expert_model_parallel_size: {world} rank(s) are not a multiple "
+                f"of expert-tensor x expert x pipeline parallel sizes ({etp} x {ep} x {pp})")  # fmt: skip
+    if pp > 1 and sc.get("use_bridge") is not True:
+        return ("strategy_config.pipeline_model_parallel_size > 1 with a mixture of experts "
+                "needs use_bridge: true (the built-in HF export gathers experts on one stage)")  # fmt: skip
+    if tp > 1 and ep > 1 and not sc.get("sequence_parallel"):
+        return ("strategy_config.expert_model_parallel_size > 1 with tensor_model_parallel_size "
+                "> 1 needs sequence_parallel: true (Megatron's MoE layer requires it)")  # fmt: skip
+    return None
+
+
 def megatron_problem(sc: Mapping[str, Any]) -> str | None:
     """What in a megatron_train strategy_config no run can honour (one line from
     `strategy_config.<key>`), or None; asyncrl.learner.megatron.args refuses the same."""
