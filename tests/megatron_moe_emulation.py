@@ -5,7 +5,7 @@ through `megatron_emulation.apply`, against the torch learner on the same model.
 
 EXTRA_JSON updates the Megatron `strategy_config` (expert_model_parallel_size, ...), except
 "router_replay": true, which replays recorded routes in both learners (actor.router_replay:
-r3). Writes to OUT_JSON: the largest differences of logprobs, metrics and weights after one
+r3), and "optim" (actor.optim.name of both: adamw, the default, or sgd). Writes to OUT_JSON: the largest differences of logprobs, metrics and weights after one
 step, whether the HF export of the loaded model equals the checkpoint bit for bit, and, with
 replay, whether the experts Megatron's routers used are the replayed ones.
 """
@@ -83,12 +83,22 @@ class CpuEvent:
 def apply_moe() -> None:
     """`megatron_emulation.apply`, plus what Megatron's all-to-all token dispatcher asks of
     CUDA: a side stream for its device-to-host copies (on the CPU the current stream itself,
-    so no cross-stream wait), an event on it, and `torch.cuda.stream(...)`."""
+    so no cross-stream wait), an event on it, and `torch.cuda.stream(...)`; and its copy of
+    the all-to-all split sizes to the host, which moves only CUDA tensors (on the CPU
+    "device" tensors are host tensors already, and must still become the numpy sizes)."""
     import contextlib
 
     import megatron_emulation as me
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     me.apply()
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
     stream = torch.cuda.current_stream()
     type(stream).record_event = lambda self, *a, **k: CpuEvent()
     torch.cuda.Stream = lambda *a, **k: stream
@@ -105,6 +115,7 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, setup: dict, out
 
     _, cfg = g.configs(1, str(list(range(world))))
     cfg.actor_train.strategy_args.strategy_config.update(setup["extra"])
+    cfg.actor.optim.name = setup["optim"]
     if setup["replay"]:
         cfg.actor.router_replay = "r3"
     worker = MegatronWorker(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
@@ -135,10 +146,12 @@ def main() -> None:
 
     out_json, world, extra = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     replay_on = bool(extra.pop("router_replay", False))
+    optim = extra.pop("optim", "adamw")
     work = out_json.parent / "work"
     model_dir = tiny_moe(work / "model")
     hf = json.loads((model_dir / "config.json").read_text())
     tcfg, _ = g.configs()
+    tcfg.actor.optim.name = optim
     if replay_on:
         tcfg.actor.router_replay = "r3"
     ref = TorchLearner(model_dir, tcfg.actor_train, tcfg.actor, tcfg.algorithm, temperature=0.7,
@@ -153,7 +166,7 @@ def main() -> None:
         want = token_logprobs(ref.model, data, 0.7)[0]
     ref_metrics = ref.step(batch)
     after = dict(ref.weights_for_sync())
-    setup = {"extra": extra, "replay": replay_on, "batch": batch}
+    setup = {"extra": extra, "replay": replay_on, "batch": batch, "optim": optim}
     ranks = run_ranks(world, model_dir, setup, work)
     last = next(r for r in ranks if r["lp"] is not None)
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm")
@@ -166,6 +179,8 @@ def main() -> None:
         "weight_change": max((after[n].float() - t).abs().max().item()
                              for n, t in fused(dict(_initial(model_dir)), hf["num_local_experts"]).items()),
         "roundtrip_exact": ranks[0]["roundtrip"],
+        "worst_weights": sorted(((t - after[n].float()).abs().max().item(), n)
+                                for n, t in got.items())[-3:],
     }  # fmt: skip
     if replay_on:
         result["replay"] = replayed_check(ranks, data, hf["num_experts_per_tok"])

@@ -272,8 +272,8 @@ class MegatronWorker:
             used = self.replayer.used(data["tokens"].shape[0], data["seq_length"], self._watched)
         finally:
             self._watched, self.replayer.watch = None, False
-        used = unalign(used.flatten(2), {k: v.cpu() for k, v in data.items() if k != "routes"})
-        return used
+        return unalign(used.flatten(2), {k: data[k].cpu() for k in ("attention_mask",
+                                                                    "response_mask")})  # fmt: skip
 
     def step(self, groups: list) -> dict[str, float]:
         start = time.perf_counter()
