@@ -184,6 +184,8 @@ def main() -> None:
     }  # fmt: skip
     if replay_on:
         result["replay"] = replayed_check(ranks, data, hf["num_experts_per_tok"])
+        # the torch learner's routers' own top-k against the replayed routes: replay changed them
+        result["replay"]["torch_differ_frac"] = ref_metrics["learner/router_differ_frac"]
     out_json.write_text(json.dumps(result))
 
 

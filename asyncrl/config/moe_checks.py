@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import Config, ConfigError
+from asyncrl.config.strategy_keys import expert_problem
 
 #: model_type values whose routers `asyncrl.moe` records and replays exactly.
 MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})
@@ -66,6 +67,7 @@ def check_moe(cfg: Config) -> None:
             "actor_train.model_args.embedded_arch: picks the embedded model, so it needs an "
             f"empty model_name_or_path (got {args.model_name_or_path!r})"
         )
+    check_expert_parallel(cfg)
     _check_router_replay(cfg)
 
 
@@ -79,12 +81,15 @@ def _check_router_replay(cfg: Config) -> None:
             "implemented; r3 replays the engines' routes"
         )
     train, infer = cfg.actor_train, cfg.actor_infer
-    if train.strategy_args.strategy_name != "fsdp2_train":
-        raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train learner only "
-                          "(megatron-core's router replay is not wired here)")  # fmt: skip
+    name = train.strategy_args.strategy_name
+    if name not in ("fsdp2_train", "megatron_train"):
+        raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train and megatron_train "
+                          f"learners, not {name}")  # fmt: skip
     if infer.strategy_args.strategy_name != "hf_infer":
         raise ConfigError(f"{key}: r3 needs engines that return routed experts; only hf_infer's "
                           "are read here (SGLang's field is not wired yet)")  # fmt: skip
+    if name == "megatron_train":
+        _check_megatron_replay(cfg, key)
     if cfg.actor.use_dynamic_bsz:
         raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
                           "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
@@ -96,10 +101,57 @@ def _check_router_replay(cfg: Config) -> None:
     if cfg.actor.use_torch_compile:
         raise ConfigError(f"{key}: r3 replays routes in eager forwards; actor.use_torch_compile "
                           "is not supported with it")  # fmt: skip
-    if len(train.device_mapping) > 1:
+    if name == "fsdp2_train" and len(train.device_mapping) > 1:
         raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
                           "replayed routes is untested)")  # fmt: skip
     _check_moe_model(cfg, key)
+
+
+#: The first megatron-core release with `megatron/core/transformer/moe/router_replay.py`.
+ROUTER_REPLAY_SINCE = (0, 16, 0)
+
+
+def _check_megatron_replay(cfg: Config, key: str) -> None:
+    """r3 in the Megatron learner: megatron-core's router-replay hook (asyncrl.learner.megatron
+    .replay), on layouts it was checked on."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        version = None  # the learner says megatron-core is missing, with the install line
+    if version is not None:
+        from packaging.version import Version
+
+        if Version(version).release[:3] < ROUTER_REPLAY_SINCE:
+            raise ConfigError(f"{key}: r3 with megatron_train needs megatron-core's router "
+                              f"replay (0.16+), not in megatron-core {version}")  # fmt: skip
+    sc = cfg.actor_train.strategy_args.strategy_config
+    if sc.get("sequence_parallel"):
+        raise ConfigError(f"{key}: r3 with sequence_parallel is not supported by megatron_train "
+                          "(its routers see a TP-scattered sequence)")  # fmt: skip
+    for size in ("context_parallel_size", "pipeline_model_parallel_size"):
+        if (sc.get(size) or 1) > 1:
+            raise ConfigError(f"{key}: r3 with megatron_train is checked without {size}; it is "
+                              "not supported with it yet")  # fmt: skip
+    if sc.get("recompute_granularity"):
+        raise ConfigError(f"{key}: r3 needs Megatron's activation recompute off (a recomputed "
+                          "forward would route itself): unset recompute_granularity")  # fmt: skip
+
+
+def check_expert_parallel(cfg: Config) -> None:
+    """megatron_train's expert parallel sizes against the policy's experts and the ranks
+    (`strategy_keys.expert_problem`); skipped where the model's config cannot be read yet."""
+    train = cfg.actor_train
+    if train.strategy_args.strategy_name != "megatron_train":
+        return
+    hf = model_config(cfg)
+    if hf is None:
+        return
+    world = max(1, len(train.device_mapping))
+    problem = expert_problem(hf, train.strategy_args.strategy_config, world)
+    if problem:
+        raise ConfigError(f"actor_train.strategy_args.{problem}")
 
 
 def _check_moe_model(cfg: Config, key: str) -> None:
