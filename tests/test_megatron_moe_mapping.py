@@ -147,3 +147,33 @@ def test_r3_with_megatron_train_is_accepted_on_the_embedded_moe():
                              "actor.router_replay=r3", "actor_train.device_mapping=[0,1]",
                              "actor_train.strategy_args.strategy_config.expert_model_parallel_size=2"])  # fmt: skip
     assert cfg.actor.router_replay == "r3"
+
+
+QWEN3_30B_A3B = dict(  # Qwen/Qwen3-30B-A3B's config.json, the fields the learner reads
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, rope_theta=1000000.0,
+    max_position_embeddings=40960, rms_norm_eps=1e-6,
+)  # fmt: skip
+
+
+def test_the_moe_recipe_is_a_megatron_plan_with_expert_parallelism():
+    from pathlib import Path
+
+    from asyncrl.learner.megatron import args as ma
+
+    recipe = Path(__file__).resolve().parent.parent / "configs"
+    cfg = load_config(recipe / "qwen3-30b-a3b-math-sglang-megatron.yaml")
+    train = cfg.actor_train
+    sc = train.strategy_args.strategy_config
+    assert expert_problem(QWEN3_30B_A3B, sc, len(train.device_mapping)) is None
+    p = ma.plan(train, cfg.actor.optim, QWEN3_30B_A3B, padded_vocab=151936)
+    assert p.parallel["expert_model_parallel_size"] == 4
+    t = p.transformer
+    assert (t["num_moe_experts"], t["moe_router_topk"], t["moe_ffn_hidden_size"]) == (128, 8, 768)
+    assert t["qk_layernorm"] and t["moe_layer_freq"] == 1 and not t["moe_router_pre_softmax"]
+    assert cfg.actor.router_replay == "off"  # SGLang's routed experts are not read yet
+    s = hm.ModelShape.from_hf_config(QWEN3_30B_A3B)
+    # embedding, final norm, head; per layer: 2 norms, qkv, q/k norms, proj, router, experts
+    assert len(hm.rules(s)) == 3 + 48 * (2 + 1 + 2 + 1 + 1 + 2 * 128)
