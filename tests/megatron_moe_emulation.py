@@ -186,6 +186,7 @@ def main() -> None:
         result["replay"] = replayed_check(ranks, data, hf["num_experts_per_tok"])
         # the torch learner's routers' own top-k against the replayed routes: replay changed them
         result["replay"]["torch_differ_frac"] = ref_metrics["learner/router_differ_frac"]
+        result["replay"]["megatron_differ_frac"] = last["metrics"]["learner/router_differ_frac"]
     out_json.write_text(json.dumps(result))
 
 

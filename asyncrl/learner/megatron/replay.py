@@ -50,11 +50,11 @@ def _make_class() -> type:
     class PositionReplay(base):  # type: ignore[misc, valid-type]
         """One router's replay: megatron-core's, with `UNROUTED` rows routed by the router."""
 
-        def __init__(self) -> None:  # not in megatron's global list: this learner drives it
-            self.target_topk_idx = None
-            self.recorded_topk_idx = None
-            self.router_replay_action = None
-            self.replay_backward_list = []
+        def __init__(self) -> None:
+            super().__init__()
+            # not in megatron's global list (its static calls): this learner drives each one
+            base.global_router_replay_instances.remove(self)
+            self.counts = [0, 0, 0]  # routed tokens, replayed ones, replayed with another top-k
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                             default_compute_topk=None):  # fmt: skip
@@ -69,6 +69,11 @@ def _make_class() -> type:
                                   f"the router has {own.shape[0]}, top-{own.shape[1]}")  # fmt: skip
             use = (given != UNROUTED).all(-1, keepdim=True)
             experts = torch.where(use, given, own)
+            with torch.no_grad():
+                same = (own.sort(-1).values == experts.sort(-1).values).all(-1)
+                self.counts[0] += own.shape[0]
+                self.counts[1] += int(use.sum())
+                self.counts[2] += int((~same & use.squeeze(-1)).sum())
             return scores.gather(1, experts), experts
 
     return PositionReplay
@@ -115,6 +120,14 @@ class Replayer:
         for column, r in zip(self.columns, self.replays, strict=True):
             r.target_topk_idx = per[:, column].long()
             r.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+
+    def take_counts(self) -> list[int]:
+        """(routed, replayed, replayed with another own top-k) token-layers since the last
+        call, summed over this rank's routers; zeroed."""
+        out = [sum(r.counts[i] for r in self.replays) for i in range(3)]
+        for r in self.replays:
+            r.counts = [0, 0, 0]
+        return out
 
     def _keep_map(self, router: int):
         def hook(module, args, output) -> None:
