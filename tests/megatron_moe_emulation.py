@@ -222,8 +222,12 @@ def replayed_check(ranks: list, data: dict, top_k: int) -> dict:
         checked += int(keep.sum())
         wrong += int((used[keep] != want[keep]).any(-1).sum())
     real = data["attention_mask"].bool()[..., None].expand_as(recorded)
-    return {"checked": checked, "wrong": wrong, "recorded": int(recorded.sum()),
-            "unrun_real_tokens": int((real & ~ran).sum())}
+    return {
+        "checked": checked,
+        "wrong": wrong,
+        "recorded": int(recorded.sum()),
+        "unrun_real_tokens": int((real & ~ran).sum()),
+    }
 
 
 if __name__ == "__main__":

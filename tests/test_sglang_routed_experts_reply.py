@@ -18,8 +18,8 @@ from __future__ import annotations
 import ast
 import textwrap
 import types
+import typing
 from pathlib import Path
-from typing import List, Optional  # noqa: UP035 - the names SGLang's annotations use
 
 import numpy as np
 import pytest
@@ -32,7 +32,9 @@ from tests.fake_sglang.wheels import unpacked
 pybase64 = pytest.importorskip("pybase64")
 FIRST = (0, 5, 10)
 WITH_FIELD = [v for v in CONTRACT_VERSIONS if tuple(int(x) for x in v.split(".")) >= FIRST]
-NAMES = {"pybase64": pybase64, "torch": torch, "np": np, "Optional": Optional, "List": List}
+# the names SGLang's code and its annotations use
+NAMES = {"pybase64": pybase64, "torch": torch, "np": np, "Optional": typing.Optional,
+         "List": list}  # fmt: skip
 
 
 def _source(path: Path) -> tuple[str, ast.Module]:

@@ -29,7 +29,9 @@ def moe_layers(hf: Mapping[str, Any]) -> tuple[int, ...]:
     if not expert_count(hf):
         return ()
     step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
-    return tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return tuple(
+        i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+    )
 
 
 def model_config(cfg: Config) -> dict[str, Any] | None:

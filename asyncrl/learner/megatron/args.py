@@ -26,13 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.config.moe_checks import expert_count, moe_layers
 from asyncrl.config.strategy_keys import MEGATRON_DDP as DDP
 from asyncrl.config.strategy_keys import MEGATRON_OWN as OWN
 from asyncrl.config.strategy_keys import MEGATRON_PARALLEL as PARALLEL
-from asyncrl.config.strategy_keys import MEGATRON_PREFIX, megatron_problem
+from asyncrl.config.strategy_keys import MEGATRON_PREFIX, expert_problem, megatron_problem
 from asyncrl.config.strategy_keys import MEGATRON_TRANSFORMER as TRANSFORMER
-from asyncrl.config.strategy_keys import expert_problem
-from asyncrl.config.moe_checks import expert_count, moe_layers
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
