@@ -200,3 +200,17 @@ def check_replayable(config: Any) -> None:
     if config.recompute_granularity is not None:
         raise ReplayError("actor.router_replay: r3 needs activation recompute off (the "
                           "recomputed forward would route itself)")  # fmt: skip
+
+
+def replay_metrics(replayer: Replayer, device: torch.device) -> dict[str, float]:
+    """r3: the share of routed token-layers that were replayed, and of those the share whose
+    own top-k differs (the torch learner's `routing.replay_metrics`), since the last call,
+    summed over every rank (each routes its own tokens of its own layers; TP > 1 needs sequence
+    parallelism with experts, which r3 refuses, so no token is counted twice)."""
+    counts = torch.tensor(replayer.take_counts(), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(counts)
+    routed, replayed, differ = counts.tolist()
+    return {
+        "learner/router_replayed_frac": replayed / max(1.0, routed),
+        "learner/router_differ_frac": differ / max(1.0, replayed),
+    }

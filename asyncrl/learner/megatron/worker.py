@@ -52,7 +52,7 @@ from asyncrl.learner.megatron.head import head_weight, pass_hidden, response_log
 from asyncrl.learner.megatron.logits import token_logprobs
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.reference import megatron_reference
-from asyncrl.learner.megatron.replay import align_routes, make_replayer, unalign
+from asyncrl.learner.megatron.replay import align_routes, make_replayer, replay_metrics, unalign
 from asyncrl.learner.megatron.weights import export_hf, export_with_bridge, load_hf_into, save_hf
 from asyncrl.learner.objective import (
     advantage_metrics,
@@ -281,7 +281,8 @@ class MegatronWorker:
         data["advantages"] = batch_advantages(self.algorithm, data)  # whole batch, every rank
         prep, metrics = self._prepare(data)
         metrics.update(self._optimise(data, prep))
-        metrics.update(self._replay_metrics())
+        if self.replayer is not None:  # every rank takes part: the counts are summed
+            metrics.update(replay_metrics(self.replayer, data["tokens"].device))
         self.version += 1
         metrics.update({
             **advantage_metrics(data["advantages"], data["response_mask"]),
@@ -291,20 +292,6 @@ class MegatronWorker:
             "learner/sequences": float(data["response_mask"].shape[0]),
         })  # fmt: skip
         return metrics if self._ranks()[2] else {}
-
-    def _replay_metrics(self) -> dict[str, float]:
-        """r3: the share of routed token-layers that were replayed, and of those the share
-        whose own top-k differs (the torch learner's `routing.replay_metrics`), over every
-        rank (each routes its own tokens of its own layers)."""
-        if self.replayer is None:
-            return {}
-        counts = torch.tensor(self.replayer.take_counts(), dtype=torch.float64,
-                              device=torch.cuda.current_device() if self.device.kind == "cuda"
-                              else self.device.torch_device())  # fmt: skip
-        torch.distributed.all_reduce(counts)
-        routed, replayed, differ = counts.tolist()
-        return {"learner/router_replayed_frac": replayed / max(1.0, routed),
-                "learner/router_differ_frac": differ / max(1.0, replayed)}  # fmt: skip
 
     def _prepare(self, data: dict) -> tuple[dict | None, dict[str, float]]:
         alg = self.algorithm
