@@ -177,3 +177,19 @@ def test_the_moe_recipe_is_a_megatron_plan_with_expert_parallelism():
     s = hm.ModelShape.from_hf_config(QWEN3_30B_A3B)
     # embedding, final norm, head; per layer: 2 norms, qkv, q/k norms, proj, router, experts
     assert len(hm.rules(s)) == 3 + 48 * (2 + 1 + 2 + 1 + 1 + 2 * 128)
+
+
+def test_r3_with_megatron_train_reads_megatrons_recompute_not_the_torch_switch(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    cfg = load_config(None, ["actor_train.strategy_args.strategy_name=megatron_train",
+                             f"actor_train.model_args.model_name_or_path={tmp_path}",
+                             "actor.router_replay=r3", "actor_train.device_mapping=[0,1]",
+                             "actor_train.strategy_args.strategy_config.expert_model_parallel_size=2"])  # fmt: skip
+    assert cfg.actor_train.model_args.actor_checkpointing()  # fsdp2_train's switch: not read
+    with pytest.raises(ConfigError, match="must divide the model's 128 experts"):
+        load_config(None, ["actor_train.strategy_args.strategy_name=megatron_train",
+                           f"actor_train.model_args.model_name_or_path={tmp_path}",
+                           "actor_train.device_mapping=[0,1,2]",
+                           "actor_train.strategy_args.strategy_config.expert_model_parallel_size=3"])  # fmt: skip

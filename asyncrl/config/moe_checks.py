@@ -95,7 +95,8 @@ def _check_router_replay(cfg: Config) -> None:
     if cfg.actor.use_dynamic_bsz:
         raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
                           "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
-    if train.model_args.actor_checkpointing():
+    if name == "fsdp2_train" and train.model_args.actor_checkpointing():
+        # (megatron_train recomputes by its recompute_* keys, checked above)
         # a checkpointed layer's recompute runs in the backward, outside the replayed forward:
         # its routers would route themselves and the gradients would not be the forward's
         raise ConfigError(f"{key}: r3 needs activation checkpointing off (set actor_train."
