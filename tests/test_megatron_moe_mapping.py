@@ -97,6 +97,7 @@ def test_the_router_is_configured_as_qwen3_moe_routes():
         (MOE, {"tensor_model_parallel_size": 2}, 2, "needs sequence_parallel"),
         (MOE, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}, 4,
          "use_bridge: true"),
+        (MOE, {"moe_grouped_gemm": True}, 1, "needs use_bridge: true"),
         ({"model_type": "qwen2"}, {"expert_model_parallel_size": 2}, 2, "is dense"),
         ({"model_type": "qwen2"}, {"expert_tensor_parallel_size": 2}, 2, "is dense"),
     ],

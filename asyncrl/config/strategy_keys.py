@@ -24,7 +24,10 @@ MEGATRON_PARALLEL = (
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "context_parallel_size",
+    # mixture-of-experts models only (a dense model refuses both; `expert_problem`):
+    # EP: each MoE layer's experts split over EP ranks (num_experts / EP each; must divide)
     "expert_model_parallel_size",
+    # ETP: each expert's MLP split over ETP ranks; only the TP size (Megatron's default)
     "expert_tensor_parallel_size",
 )
 MEGATRON_TRANSFORMER = ("sequence_parallel", "recompute_granularity", "recompute_method")
@@ -229,6 +232,9 @@ def expert_problem(hf: Mapping[str, Any], sc: Mapping[str, Any], world: int) -> 
     if world % (tp * ep * pp):
         return (f"strategy_config.expert_model_parallel_size: {world} rank(s) are not a multiple "
                 f"of expert-tensor x expert x pipeline parallel sizes ({tp} x {ep} x {pp})")  # fmt: skip
+    if sc.get("moe_grouped_gemm") and sc.get("use_bridge") is not True:
+        return ("strategy_config.moe_grouped_gemm needs use_bridge: true (the built-in mapping "
+                "names SequentialMLP's experts, one MLP each)")  # fmt: skip
     if pp > 1 and sc.get("use_bridge") is not True:
         return ("strategy_config.pipeline_model_parallel_size > 1 with a mixture of experts "
                 "needs use_bridge: true (the built-in HF export gathers experts on one stage)")  # fmt: skip

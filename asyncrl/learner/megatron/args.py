@@ -9,7 +9,8 @@ so every pass-through is testable on the CPU.
 - parallel sizes: tensor_model_parallel_size, pipeline_model_parallel_size,
   virtual_pipeline_model_parallel_size (model chunks per pipeline rank, Megatron's interleaved
   schedule; needs PP >= 2), context_parallel_size (each sequence split over CP ranks, see
-  `batch.cp_positions`), expert_model_parallel_size, expert_tensor_parallel_size;
+  `batch.cp_positions`), expert_model_parallel_size, expert_tensor_parallel_size (MoE models:
+  checked against the model's experts by `check_experts`);
 - sequence_parallel, recompute_granularity (full | selective), recompute_method (uniform |
   block), recompute_num_layers, recompute_modules, and moe_* keys -> TransformerConfig;
 - use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32,
@@ -100,8 +101,9 @@ def parallel_kwargs(sc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any]) -> dict[str, Any]:
-    """TransformerConfig for a dense Llama/Qwen2-family model: RMSNorm, SwiGLU, RoPE, GQA, no
-    dropout (the learner must score tokens exactly as the engine sampled them)."""
+    """TransformerConfig for a Llama/Qwen2/Qwen3-family model (Qwen3-MoE's experts:
+    `moe_kwargs`): RMSNorm, SwiGLU, RoPE, GQA, no dropout (the learner must score tokens
+    exactly as the engine sampled them)."""
     heads = hf["num_attention_heads"]
     out: dict[str, Any] = {
         "num_layers": hf["num_hidden_layers"],
