@@ -221,8 +221,9 @@ def expert_problem(hf: Mapping[str, Any], sc: Mapping[str, Any], world: int) -> 
                 f"{experts} experts")  # fmt: skip
     tp, pp = sc.get("tensor_model_parallel_size") or 1, sc.get("pipeline_model_parallel_size") or 1
     if etp is not None and etp != tp:
-        # Megatron builds it, but with ETP 2 over TP 1 the expert weights' gradients differed
-        # from the one-device learner's by ~10% in asyncrl's CPU check (forward exact)
+        # Megatron builds it, but with ETP 2 over TP 1 (2 ranks, CPU emulation, megatron-core
+        # 0.16.1) the forward was exact and the experts' SGD updates were not: their projection
+        # on the one-device learner's 1.0, their norm 1.41x (an extra component as large)
         return (f"strategy_config.expert_tensor_parallel_size {etp}: only the TP size ({tp}, "
                 "Megatron's default) is supported; other values are not verified")  # fmt: skip
     width = int(hf.get("moe_intermediate_size") or 0)
