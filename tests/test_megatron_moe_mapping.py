@@ -130,9 +130,8 @@ def test_config_validate_takes_expert_parallel_on_the_embedded_moe():
         (["actor_train.device_mapping=[0,1]",
           "actor_train.strategy_args.strategy_config.expert_model_parallel_size=2"], "is dense"),
         (["actor_train.model_args.embedded_arch=moe", "actor.router_replay=r3",
-          "actor_train.device_mapping=[0,1]",
-          "actor_train.strategy_args.strategy_config.context_parallel_size=2"],
-         "without context_parallel_size"),
+          "actor_train.device_mapping=[0,1]", "actor_train.strategy_args.strategy_config."
+          "sequence_parallel=true"], "r3 with sequence_parallel"),
         (["actor_train.model_args.embedded_arch=moe", "actor.router_replay=r3",
           "actor_train.strategy_args.strategy_config.recompute_granularity=full"],
          "recompute"),

@@ -133,10 +133,9 @@ def _check_megatron_replay(cfg: Config, key: str) -> None:
     if sc.get("sequence_parallel"):
         raise ConfigError(f"{key}: r3 with sequence_parallel is not supported by megatron_train "
                           "(its routers see a TP-scattered sequence)")  # fmt: skip
-    for size in ("context_parallel_size", "pipeline_model_parallel_size"):
-        if (sc.get(size) or 1) > 1:
-            raise ConfigError(f"{key}: r3 with megatron_train is checked without {size}; it is "
-                              "not supported with it yet")  # fmt: skip
+    if (sc.get("pipeline_model_parallel_size") or 1) > 1:
+        raise ConfigError(f"{key}: r3 with megatron_train is checked without "
+                          "pipeline_model_parallel_size; it is not supported with it yet")  # fmt: skip
     if sc.get("recompute_granularity"):
         raise ConfigError(f"{key}: r3 needs Megatron's activation recompute off (a recomputed "
                           "forward would route itself): unset recompute_granularity")  # fmt: skip

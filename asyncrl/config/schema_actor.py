@@ -260,8 +260,8 @@ class ActorConfig:
     train/inference mismatch). r3 (rollout routing replay): the engines return each position's
     routed experts (SGLang's `return_routed_experts`), they travel with the group, and the
     learner's forwards use them (fsdp2_train's, or megatron_train's through megatron-core's
-    router-replay hook, megatron-core 0.16+, without sequence, context or pipeline
-    parallelism and without recompute): each token's experts are the engine's, their
+    router-replay hook, megatron-core 0.16+, without sequence or pipeline parallelism and
+    without recompute): each token's experts are the engine's, their
     weights the learner's own router probabilities of those experts (renormalised as the
     model's `norm_topk_prob` says), so the router still learns. Each position replays the
     route of the forward that first took it: prompt tokens their sample's first prefill, an
