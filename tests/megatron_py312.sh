@@ -22,4 +22,4 @@ print(f"python {sys.version.split()[0]}, torch {version('torch')}, "
 PY
 exec "$venv/bin/python" -m pytest -p no:cacheprovider -m "not gpu" \
     tests/test_megatron_versions.py tests/test_megatron_cpu_emulation.py \
-    tests/test_reference_worker.py
+    tests/test_megatron_moe_emulation.py tests/test_reference_worker.py

@@ -322,7 +322,9 @@ def test_plan_megatron_divides_by_tp_pp_cp_not_ep():
         "num_return_sequences_in_group=8",
         "actor_train.strategy_args.strategy_name=megatron_train",
         "actor_train.strategy_args.strategy_config={tensor_model_parallel_size: 2, "
-        "pipeline_model_parallel_size: 2, context_parallel_size: 2, expert_model_parallel_size: 4}",
+        "pipeline_model_parallel_size: 2, context_parallel_size: 2, expert_model_parallel_size: 4, "
+        "sequence_parallel: true, use_bridge: true}",
+        "actor_train.model_args.embedded_arch=moe",  # EP splits experts: a dense model refuses it
         "actor_train.device_mapping=list(range(0,16))",
         "actor_train.training_args.per_device_train_batch_size=1",
         "actor_train.training_args.gradient_accumulation_steps=32",

@@ -233,8 +233,9 @@ def test_row_shards_cover_every_row_once():
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen2.5-1.5b-math-sglang-megatron", "qwen2.5-7b-math-sglang-megatron", "qwen2.5-7b-math-npu"],
-)
+    ["qwen2.5-1.5b-math-sglang-megatron", "qwen2.5-7b-math-sglang-megatron", "qwen2.5-7b-math-npu",
+     "qwen3-30b-a3b-math-sglang-megatron"],
+)  # fmt: skip
 def test_recipes_turn_into_megatron_and_sglang_arguments(name):
     """Every production recipe's pass-through config becomes valid Megatron and SGLang args."""
     from pathlib import Path

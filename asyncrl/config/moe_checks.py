@@ -5,12 +5,54 @@ each, naming the key and the reason."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config.schema import Config, ConfigError
+from asyncrl.config.strategy_keys import expert_problem
 
 #: model_type values whose routers `asyncrl.moe` records and replays exactly.
 MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})
+
+
+def expert_count(hf: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer of an HF config (0: dense). Qwen3-MoE's config.json says
+    `num_experts`; transformers 5 saves it as `num_local_experts`."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def moe_layers(hf: Mapping[str, Any]) -> tuple[int, ...]:
+    """The layers of a Qwen-MoE config whose MLP routes to experts: layer i does when it is not
+    in `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step` (transformers'
+    Qwen3MoeDecoderLayer's rule); () for a dense model."""
+    if not expert_count(hf):
+        return ()
+    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+    return tuple(
+        i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+    )
+
+
+def model_config(cfg: Config) -> dict[str, Any] | None:
+    """actor_train's HF config as a dict: the embedded model's (`embedded_arch`), or the model
+    directory's config.json; None where it cannot be read yet (the run says why)."""
+    args = cfg.actor_train.model_args
+    if not args.model_name_or_path:
+        from asyncrl.models.tiny import embedded_spec
+
+        spec = embedded_spec(arch=args.embedded_arch)
+        if spec.arch == "dense":
+            return {"model_type": "qwen2", "num_hidden_layers": spec.num_layers}
+        return {"model_type": "qwen3_moe", "num_hidden_layers": spec.num_layers,
+                "num_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+                "moe_intermediate_size": spec.moe_intermediate_size}  # fmt: skip
+    path = Path(args.model_name_or_path) / "config.json"
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def check_moe(cfg: Config) -> None:
@@ -27,6 +69,7 @@ def check_moe(cfg: Config) -> None:
             "actor_train.model_args.embedded_arch: picks the embedded model, so it needs an "
             f"empty model_name_or_path (got {args.model_name_or_path!r})"
         )
+    check_expert_parallel(cfg)
     _check_router_replay(cfg)
 
 
@@ -40,16 +83,20 @@ def _check_router_replay(cfg: Config) -> None:
             "implemented; r3 replays the engines' routes"
         )
     train, infer = cfg.actor_train, cfg.actor_infer
-    if train.strategy_args.strategy_name != "fsdp2_train":
-        raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train learner only "
-                          "(megatron-core's router replay is not wired here)")  # fmt: skip
+    name = train.strategy_args.strategy_name
+    if name not in ("fsdp2_train", "megatron_train"):
+        raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train and megatron_train "
+                          f"learners, not {name}")  # fmt: skip
     if infer.strategy_args.strategy_name != "hf_infer":
         raise ConfigError(f"{key}: r3 needs engines that return routed experts; only hf_infer's "
                           "are read here (SGLang's field is not wired yet)")  # fmt: skip
+    if name == "megatron_train":
+        _check_megatron_replay(cfg, key)
     if cfg.actor.use_dynamic_bsz:
         raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
                           "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
-    if train.model_args.actor_checkpointing():
+    if name == "fsdp2_train" and train.model_args.actor_checkpointing():
+        # (megatron_train recomputes by its recompute_* keys, checked above)
         # a checkpointed layer's recompute runs in the backward, outside the replayed forward:
         # its routers would route themselves and the gradients would not be the forward's
         raise ConfigError(f"{key}: r3 needs activation checkpointing off (set actor_train."
@@ -57,10 +104,56 @@ def _check_router_replay(cfg: Config) -> None:
     if cfg.actor.use_torch_compile:
         raise ConfigError(f"{key}: r3 replays routes in eager forwards; actor.use_torch_compile "
                           "is not supported with it")  # fmt: skip
-    if len(train.device_mapping) > 1:
+    if name == "fsdp2_train" and len(train.device_mapping) > 1:
         raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
                           "replayed routes is untested)")  # fmt: skip
     _check_moe_model(cfg, key)
+
+
+#: The first megatron-core release with `megatron/core/transformer/moe/router_replay.py`.
+ROUTER_REPLAY_SINCE = (0, 16, 0)
+
+
+def _check_megatron_replay(cfg: Config, key: str) -> None:
+    """r3 in the Megatron learner: megatron-core's router-replay hook (asyncrl.learner.megatron
+    .replay), on layouts it was checked on."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        version = None  # the learner says megatron-core is missing, with the install line
+    if version is not None:
+        from packaging.version import Version
+
+        if Version(version).release[:3] < ROUTER_REPLAY_SINCE:
+            raise ConfigError(f"{key}: r3 with megatron_train needs megatron-core's router "
+                              f"replay (0.16+), not in megatron-core {version}")  # fmt: skip
+    sc = cfg.actor_train.strategy_args.strategy_config
+    if sc.get("sequence_parallel"):
+        raise ConfigError(f"{key}: r3 with sequence_parallel is not supported by megatron_train "
+                          "(its routers see a TP-scattered sequence)")  # fmt: skip
+    if (sc.get("pipeline_model_parallel_size") or 1) > 1:
+        raise ConfigError(f"{key}: r3 with megatron_train is checked without "
+                          "pipeline_model_parallel_size; it is not supported with it yet")  # fmt: skip
+    if sc.get("recompute_granularity"):
+        raise ConfigError(f"{key}: r3 needs Megatron's activation recompute off (a recomputed "
+                          "forward would route itself): unset recompute_granularity")  # fmt: skip
+
+
+def check_expert_parallel(cfg: Config) -> None:
+    """megatron_train's expert parallel sizes against the policy's experts and the ranks
+    (`strategy_keys.expert_problem`); skipped where the model's config cannot be read yet."""
+    train = cfg.actor_train
+    if train.strategy_args.strategy_name != "megatron_train":
+        return
+    hf = model_config(cfg)
+    if hf is None:
+        return
+    world = max(1, len(train.device_mapping))
+    problem = expert_problem(hf, train.strategy_args.strategy_config, world)
+    if problem:
+        raise ConfigError(f"actor_train.strategy_args.{problem}")
 
 
 def _check_moe_model(cfg: Config, key: str) -> None:

@@ -259,13 +259,16 @@ class ActorConfig:
     forward routes every token itself (its top-k may differ from the engine's: a share of the
     train/inference mismatch). r3 (rollout routing replay): the engines return each position's
     routed experts (SGLang's `return_routed_experts`), they travel with the group, and the
-    fsdp2_train learner's forwards use them: each token's experts are the engine's, their
+    learner's forwards use them (fsdp2_train's, or megatron_train's through megatron-core's
+    router-replay hook, megatron-core 0.16+, without sequence or pipeline parallelism and
+    without recompute): each token's experts are the engine's, their
     weights the learner's own router probabilities of those experts (renormalised as the
     model's `norm_topk_prob` says), so the router still learns. Each position replays the
     route of the forward that first took it: prompt tokens their sample's first prefill, an
     episode's observation tokens the next turn's prefill, so a continued or re-prefilled sample
     keeps its routes; the last response token routes itself. Needs a Qwen3-MoE/Qwen2-MoE
-    policy on one learner device, hf_infer engines, the padded forward (not
+    policy (Qwen3-MoE with megatron_train) on one learner device with fsdp2_train, hf_infer
+    engines, the padded forward (not
     `use_dynamic_bsz`), eager (no `use_torch_compile`) and without activation checkpointing
     (a recompute in the backward would route itself); every row runs whole.
     `learner/router_replayed_frac` and `learner/router_differ_frac` (the share of replayed

@@ -22,11 +22,18 @@ weight is `M.weight`. A layer's first adapter keeps a pristine copy of its weigh
 both halves of this sync have arrived (any bucket order), the layer becomes W0 + B·A, computed
 in fp32 from the pristine copy, so repeated syncs never accumulate rounding. A full update of
 `M.weight` replaces W0 (the next adapter lands on the new base).
+
+Mixture of experts: transformers holds a layer's experts fused (`mlp.experts.gate_up_proj`
+[E, 2I, H], `mlp.experts.down_proj` [E, H, I]), its checkpoints (and SGLang) name them one by
+one (`mlp.experts.<e>.gate_proj.weight` [I, H], `up_proj`, `down_proj`). Both are taken: a
+per-expert tensor is copied into its slice of the fused parameter (`expert_slice`), never
+swapped in.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import Counter
 
@@ -49,6 +56,23 @@ from asyncrl.weights.buckets import (
 from asyncrl.weights.group import GroupError, broadcast, create_group, destroy_group
 
 log = logging.getLogger(__name__)
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a fused experts parameter that checkpoint name `name` (one expert's gate,
+    up or down projection) is, as a view; None for any other name."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    fused = params.get(f"{prefix}.{'down_proj' if kind == 'down' else 'gate_up_proj'}")
+    if fused is None or fused.dim() != 3 or e >= fused.shape[0]:
+        return None
+    if kind == "down":
+        return fused[e]
+    half = fused.shape[1] // 2  # transformers' [gate; up] rows of each expert
+    return fused[e, :half] if kind == "gate" else fused[e, half:]
 
 
 class WeightReceiver:
@@ -152,7 +176,7 @@ class WeightReceiver:
         # Swap-in needs known names and the receive device to be the parameters' own.
         per_tensor = load_format is None and self._check(names, tdtypes, tshapes) is None
         per_tensor = per_tensor and not any(lora_half(n) for n in names)  # adapters are staged
-        per_tensor = per_tensor and all(self.params[n].device == device for n in names)
+        per_tensor = per_tensor and all(self._param(n).device == device for n in names)
         hold = not self.engine.paused and version is None  # a running engine, more to come
         flattened = load_format == "flattened_bucket"
         with self.state:  # an abandon after this leaves these buffers to this receive
@@ -235,7 +259,9 @@ class WeightReceiver:
                         self._lora(name, t)
                         continue
                     self.pristine.pop(name, None)  # a full update is the new base
-                    if per_tensor:  # swap storages: the old weights become the next buffer
+                    if name not in self.params:  # one expert's slice of a fused parameter
+                        expert_slice(self.params, name).copy_(t)
+                    elif per_tensor:  # swap storages: the old weights become the next buffer
                         param = self.params[name]
                         self.shadows[name], param.data = param.data, t
                     else:
@@ -245,7 +271,7 @@ class WeightReceiver:
 
     def _shadow(self, name: str, device: torch.device) -> torch.Tensor:
         """The receive buffer of parameter `name` (its shape, dtype and device)."""
-        param = self.params[name]
+        param = self._param(name)
         buf = self.shadows.get(name)
         if buf is None or buf.device != device:
             buf = self.shadows[name] = torch.empty_like(param, device=device)
@@ -294,8 +320,15 @@ class WeightReceiver:
             )
         return None
 
+    def _param(self, name: str) -> torch.Tensor:
+        """Parameter `name`, or the expert slice a checkpoint name stands for."""
+        param = self.params.get(name)
+        return param if param is not None else expert_slice(self.params, name)
+
     def _check(self, names: list, dtypes: list, shapes: list[tuple[int, ...]]) -> str | None:
-        known = [isinstance(n, str) and (n in self.params or lora_half(n)) for n in names]
+        known = [isinstance(n, str) and (n in self.params or lora_half(n)
+                                         or expert_slice(self.params, n) is not None)
+                 for n in names]  # fmt: skip
         unknown = [n for n, k in zip(names, known) if not k]
         if unknown:
             return f"{len(unknown)} unknown parameter name(s), first {show(unknown[0])}"
@@ -311,7 +344,7 @@ class WeightReceiver:
                 if problem := self._check_lora(name, dtype, shape, ranks):
                     return problem
                 continue
-            param = self.params[name]
+            param = self._param(name)
             if tuple(param.shape) != shape:
                 return (
                     f"shape mismatch for {name!r}: sent {list(shape)}, "

@@ -9,7 +9,8 @@ so every pass-through is testable on the CPU.
 - parallel sizes: tensor_model_parallel_size, pipeline_model_parallel_size,
   virtual_pipeline_model_parallel_size (model chunks per pipeline rank, Megatron's interleaved
   schedule; needs PP >= 2), context_parallel_size (each sequence split over CP ranks, see
-  `batch.cp_positions`), expert_model_parallel_size, expert_tensor_parallel_size;
+  `batch.cp_positions`), expert_model_parallel_size, expert_tensor_parallel_size (MoE models:
+  checked against the model's experts by `check_experts`);
 - sequence_parallel, recompute_granularity (full | selective), recompute_method (uniform |
   block), recompute_num_layers, recompute_modules, and moe_* keys -> TransformerConfig;
 - use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32,
@@ -26,10 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.config.moe_checks import expert_count, moe_layers
 from asyncrl.config.strategy_keys import MEGATRON_DDP as DDP
 from asyncrl.config.strategy_keys import MEGATRON_OWN as OWN
 from asyncrl.config.strategy_keys import MEGATRON_PARALLEL as PARALLEL
-from asyncrl.config.strategy_keys import MEGATRON_PREFIX, megatron_problem
+from asyncrl.config.strategy_keys import MEGATRON_PREFIX, expert_problem, megatron_problem
 from asyncrl.config.strategy_keys import MEGATRON_TRANSFORMER as TRANSFORMER
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -82,6 +84,13 @@ def check_layers(hf: Mapping[str, Any], sc: Mapping[str, Any]) -> None:
         )
 
 
+def check_experts(hf: Mapping[str, Any], sc: Mapping[str, Any], world: int) -> None:
+    """Expert parallel sizes this model and these ranks can take (`expert_problem`)."""
+    problem = expert_problem(hf, sc, world)
+    if problem:
+        raise MegatronConfigError(f"actor_train.strategy_args.{problem}")
+
+
 def parallel_kwargs(sc: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: int(sc.get(k) or 1) for k in PARALLEL if k != "virtual_pipeline_model_parallel_size"}
     vpp = sc.get("virtual_pipeline_model_parallel_size")
@@ -92,8 +101,9 @@ def parallel_kwargs(sc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any]) -> dict[str, Any]:
-    """TransformerConfig for a dense Llama/Qwen2-family model: RMSNorm, SwiGLU, RoPE, GQA, no
-    dropout (the learner must score tokens exactly as the engine sampled them)."""
+    """TransformerConfig for a Llama/Qwen2/Qwen3-family model (Qwen3-MoE's experts:
+    `moe_kwargs`): RMSNorm, SwiGLU, RoPE, GQA, no dropout (the learner must score tokens
+    exactly as the engine sampled them)."""
     heads = hf["num_attention_heads"]
     out: dict[str, Any] = {
         "num_layers": hf["num_hidden_layers"],
@@ -108,7 +118,7 @@ def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any])
         "activation_func": hf.get("hidden_act", "silu"),
         "add_bias_linear": False,
         "add_qkv_bias": hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
-        "qk_layernorm": hf.get("model_type") == "qwen3",
+        "qk_layernorm": hf.get("model_type") in ("qwen3", "qwen3_moe"),
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "init_method_std": hf.get("initializer_range", 0.02),
@@ -126,6 +136,7 @@ def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any])
         "params_dtype": DTYPES[dtype],
         "pipeline_dtype": DTYPES[dtype],
     }
+    out.update(moe_kwargs(hf))
     out.update({k: v for k, v in parallel_kwargs(sc).items() if v is not None})
     if out.get("virtual_pipeline_model_parallel_size"):
         # As Megatron's own training loop runs the interleaved schedule: separate isend/irecv
@@ -136,6 +147,34 @@ def transformer_kwargs(hf: Mapping[str, Any], dtype: str, sc: Mapping[str, Any])
     out.update({k: v for k, v in sc.items() if k.startswith(MEGATRON_PREFIX)})
     out.update(dict(sc.get("override_transformer_config") or {}))
     return out
+
+
+def moe_kwargs(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """TransformerConfig's MoE fields for Qwen3-MoE ({} for a dense model): its routed experts
+    on Megatron's MoELayer, the router as transformers computes it: softmax over every expert,
+    top-k, renormalised over the k when `norm_topk_prob` (Megatron's softmax of the top-k
+    logits is the same), else the raw top-k probabilities (Megatron's pre-softmax). No shared
+    expert, no auxiliary or z loss (the policy loss alone, as the torch learner's, which does not
+    ask transformers for router logits), no capacity (no token is dropped), the experts one
+    local MLP each (SequentialMLP: no grouped GEMM, which needs a GPU kernel)."""
+    experts = expert_count(hf)
+    if not experts:
+        return {}
+    layers = moe_layers(hf)
+    n = hf["num_hidden_layers"]
+    return {
+        "num_moe_experts": experts,
+        "moe_router_topk": hf["num_experts_per_tok"],
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_z_loss_coeff": None,
+        "moe_expert_capacity_factor": None,
+        "moe_grouped_gemm": False,
+        "moe_layer_freq": 1 if len(layers) == n else [int(i in layers) for i in range(n)],
+    }
 
 
 def model_kwargs(hf: Mapping[str, Any], padded_vocab: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch
 
 from asyncrl.device import DeviceSpec, select_device
 from asyncrl.learner.megatron.args import TRANSFORMER, MegatronConfigError, MegatronPlan
-from asyncrl.learner.megatron.compat import check_version
+from asyncrl.learner.megatron.compat import check_version, router_gemm_fallback
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.weights import HFCheckpoint, load_hf_into, stage_layout, unwrap
 from asyncrl.learner.placement import Rendezvous
@@ -109,7 +109,10 @@ def transformer_config(plan: MegatronPlan, device: DeviceSpec) -> Any:
     return config
 
 
-def layer_spec(plan: MegatronPlan, config: Any, device: DeviceSpec) -> tuple[Any, bool]:
+def layer_spec(plan: MegatronPlan, config: Any, device: DeviceSpec,
+               vp_stage: int | None = None) -> tuple[Any, bool]:  # fmt: skip
+    """The layer spec (a block spec for a model of MoE and dense layers: chunk `vp_stage`'s
+    layers) and whether it is Transformer Engine's."""
     impl = plan.transformer_impl
     if impl == "auto":
         try:
@@ -120,21 +123,31 @@ def layer_spec(plan: MegatronPlan, config: Any, device: DeviceSpec) -> tuple[Any
             impl = "local"
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if impl == "transformer_engine":
-        return specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=config.qk_layernorm
-        ), True
-    if config.sequence_parallel and device.kind != "npu":  # MindSpeed patches the local norm
+    te = impl == "transformer_engine"
+    if not te and config.sequence_parallel and device.kind != "npu":  # MindSpeed patches it
         raise MegatronConfigError(
             "sequence_parallel needs transformer_impl: transformer_engine (Megatron's local layer "
             "spec normalises with torch's RMSNorm, which refuses it)"
         )
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    if config.context_parallel_size > 1:  # Megatron's local DotProductAttention refuses CP
+    if isinstance(config.moe_layer_freq, list) and config.num_moe_experts:
+        block = specs.get_gpt_decoder_block_spec(config, te, "RMSNorm", vp_stage=vp_stage)
+        layers = block.layer_specs
+    elif te:
+        block = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm
+        )
+        return block, True
+    else:
+        block = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                               normalization="RMSNorm",
+                                               qk_layernorm=config.qk_layernorm)  # fmt: skip
+        layers = [block]
+    if config.context_parallel_size > 1 and not te:  # Megatron's local attention refuses CP
         from asyncrl.learner.megatron.context import ContextParallelAttention
 
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
-    return spec, False
+        for spec in layers:
+            spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return block, te
 
 
 def virtual_stages(plan: MegatronPlan) -> list[int | None]:
@@ -158,13 +171,15 @@ def build_builtin(plan: MegatronPlan, shape: ModelShape, path: Path, device: Dev
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(plan, device)
-    spec, te = layer_spec(plan, config, device)
+    if config.num_moe_experts:
+        router_gemm_fallback()
     layout = stage_layout(config, ps.get_pipeline_model_parallel_world_size())
     checkpoint = HFCheckpoint(path)
     chunks = []
     for vp in virtual_stages(plan):
         first = ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=vp)
         last = ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=vp)
+        spec, te = layer_spec(plan, config, device, vp)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=first,
                          post_process=last, vp_stage=vp, **plan.model)  # fmt: skip
         # Megatron's parallel layers are made on the current accelerator, a local spec's norm

@@ -11,6 +11,10 @@ API differences handled here (imported lazily, like every Megatron import of the
 - `megatron.core.utils.get_batch_on_this_cp_rank`: 0.15 takes the batch only, 0.16-0.17 an
   optional `cp_group`, 0.18+ a required `is_hybrid_cp` and a `cp_group` it no longer looks up
   itself (without it, it would split over the whole default group).
+- `megatron.core.transformer.moe.moe_utils.te_general_gemm`: the MoE router's gating linear
+  tests it against None, but releases that lack Transformer Engine never define it (0.16.1:
+  a NameError on the first routed token); `router_gemm_fallback` defines it as None, so the
+  router takes its own torch.mm path.
 """
 
 from __future__ import annotations
@@ -75,3 +79,12 @@ def split_for_cp_rank(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if "is_hybrid_cp" in params:
         kwargs["is_hybrid_cp"] = False
     return get_batch_on_this_cp_rank(dict(batch), **kwargs)
+
+
+def router_gemm_fallback() -> None:
+    """Without Transformer Engine, let the MoE router's gating linear run its torch path (see
+    the module docstring); a release that defines the name is left alone."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -1,5 +1,6 @@
 """Hugging Face <-> Megatron-core names, layouts and tensor-parallel shards for dense
-Llama / Qwen2 / Qwen3 / Mistral models (Megatron's local layer spec, or Transformer Engine's).
+Llama / Qwen2 / Qwen3 / Mistral models and Qwen3-MoE (Megatron's local layer spec, or
+Transformer Engine's).
 
 Pure torch and no Megatron import: the whole mapping is tested on the CPU. One `Rule` per
 Megatron parameter says which HF tensors make it, how (copy, QKV fusion, gate/up fusion, vocab
@@ -15,7 +16,14 @@ padding) and how it is split over tensor-parallel ranks. Layouts (megatron-core 
   whole because `ng % tp == 0` is required.
 - The vocabulary is padded with zero rows to a multiple of the TP size; export strips them.
 - With the Transformer Engine spec the two pre-norms live inside the fused linears
-  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): `te_layernorm=True`.
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): `te_layernorm=True`. An MoE
+  layer keeps its pre-MLP norm apart (`pre_mlp_layernorm.weight`) in both specs.
+- Qwen3-MoE layers (Megatron's MoELayer with SequentialMLP experts): the router
+  `mlp.router.weight` is HF's `mlp.gate.weight` (replicated); expert e's `linear_fc1` is
+  `[gate_e; up_e]` and its `linear_fc2` HF's `down_proj`, named here by the GLOBAL expert id
+  (`mlp.experts.local_experts.<e>.`). Expert-parallel rank r holds experts
+  r·E/EP .. (r+1)·E/EP - 1 as its local experts 0..E/EP - 1 (`expert_local_name`), and the
+  expert-tensor-parallel group (ETP, not TP) splits them like a dense MLP.
 """
 
 from __future__ import annotations
@@ -26,8 +34,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+from asyncrl.config.moe_checks import expert_count, moe_layers
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+#: The mixture-of-experts model types of SUPPORTED (routed experts only, no shared expert).
+MOE_SUPPORTED = ("qwen3_moe",)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 class MappingError(ValueError):
@@ -47,6 +60,12 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     padded_vocab_size: int | None = None
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's MLP width."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose MLP is a mixture of experts (the others are dense)."""
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> ModelShape:
@@ -56,10 +75,13 @@ class ModelShape:
                 f"model_type {kind!r} has no built-in Megatron mapping (supported: "
                 f"{', '.join(SUPPORTED)}); install Megatron-Bridge for other models"
             )
-        if any(cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-            raise MappingError("mixture-of-experts models need Megatron-Bridge")
+        experts = any(cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        if experts and kind not in MOE_SUPPORTED:
+            raise MappingError(f"mixture-of-experts model_type {kind!r} needs Megatron-Bridge "
+                               f"(built in: {', '.join(MOE_SUPPORTED)})")  # fmt: skip
         heads = cfg["num_attention_heads"]
         return cls(
+            **moe_fields(cfg),
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
             num_heads=heads,
@@ -69,7 +91,7 @@ class ModelShape:
             vocab_size=cfg["vocab_size"],
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
         )
 
     def padded_to(self, multiple: int) -> ModelShape:
@@ -85,6 +107,20 @@ class ModelShape:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
+def moe_fields(cfg: Mapping) -> dict:
+    """ModelShape's MoE fields of an HF config ({} for a dense model; the MoE layers as
+    transformers' Qwen3MoeDecoderLayer decides, `moe_checks.moe_layers`)."""
+    experts = expert_count(cfg)
+    if not experts:
+        return {}
+    if cfg.get("shared_expert_intermediate_size"):
+        raise MappingError("shared experts need Megatron-Bridge (the built-in mapping has "
+                           "routed experts only)")  # fmt: skip
+    layers = moe_layers(cfg)
+    return {"num_experts": experts, "moe_ffn_hidden_size": cfg["moe_intermediate_size"],
+            "moe_layers": layers}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Rule:
     mcore: str
@@ -98,6 +134,8 @@ class Rule:
     shape: tuple[int, ...]
     """Full (unsharded) Megatron shape."""
     layer: int | None = None
+    expert: int | None = None
+    """The global expert id of an expert's weight (split over EP, and over ETP, not TP)."""
 
 
 def _layer_rules(s: ModelShape, i: int, te: bool) -> list[Rule]:
@@ -120,10 +158,12 @@ def _layer_rules(s: ModelShape, i: int, te: bool) -> list[Rule]:
                 Rule(f"{m}self_attention.{x}_layernorm.weight", (f"{p}self_attn.{x}_norm.weight",),
                      "copy", "none", (s.head_dim,), i)
             )  # fmt: skip
+    out.append(Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",),
+                    "copy", "row", (h, s.num_heads * s.head_dim), i))  # fmt: skip
+    if i in s.moe_layers:
+        return out + _moe_rules(s, i)
     f = s.ffn_hidden_size
     out += [
-        Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy",
-             "row", (h, s.num_heads * s.head_dim), i),
         Rule(m + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"),
              (p + "post_attention_layernorm.weight",), "copy", "none", (h,), i),
         Rule(m + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
@@ -131,6 +171,32 @@ def _layer_rules(s: ModelShape, i: int, te: bool) -> list[Rule]:
         Rule(m + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "copy", "row", (h, f), i),
     ]  # fmt: skip
     return out
+
+
+def _moe_rules(s: ModelShape, i: int) -> list[Rule]:
+    """An MoE layer's pre-MLP norm (apart in both specs), router and every expert's MLP."""
+    h, f, m, p = s.hidden_size, s.moe_ffn_hidden_size, f"decoder.layers.{i}.", f"model.layers.{i}."
+    out = [
+        Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy",
+             "none", (h,), i),
+        Rule(m + "mlp.router.weight", (p + "mlp.gate.weight",), "copy", "none",
+             (s.num_experts, h), i),
+    ]  # fmt: skip
+    for e in range(s.num_experts):
+        x, hf = f"{m}mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}."
+        out += [
+            Rule(x + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                 "gate_up", "gate_up", (2 * f, h), i, e),
+            Rule(x + "linear_fc2.weight", (hf + "down_proj.weight",), "copy", "row", (h, f), i, e),
+        ]  # fmt: skip
+    return out
+
+
+def expert_local_name(mcore_name: str, first_expert: int) -> str:
+    """A global expert name (`local_experts.5.`) -> this EP rank's local one, whose first
+    expert is `first_expert` (5 - 4 = `local_experts.1.` on EP rank 1 of 8 experts over 2)."""
+    return _EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) - first_expert}.",
+                       mcore_name, count=1)  # fmt: skip
 
 
 def rules(shape: ModelShape, te_layernorm: bool = False) -> list[Rule]:
@@ -226,7 +292,12 @@ def megatron_to_hf(
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------
-def _check_tp(s: ModelShape, tp: int) -> None:
+def _check_tp(s: ModelShape, tp: int, rule: Rule | None = None) -> None:
+    if rule is not None and rule.expert is not None:  # split by the expert-tensor group
+        if s.moe_ffn_hidden_size % tp:
+            raise MappingError(f"expert_tensor_parallel_size {tp} must divide the experts' FFN "
+                               f"size ({s.moe_ffn_hidden_size})")  # fmt: skip
+        return
     if s.num_kv_heads % tp or s.num_heads % tp or s.ffn_hidden_size % tp or s.vocab_rows % tp:
         raise MappingError(
             f"tensor_model_parallel_size {tp} must divide the KV heads ({s.num_kv_heads}), heads "
@@ -235,8 +306,9 @@ def _check_tp(s: ModelShape, tp: int) -> None:
 
 
 def tp_split(rule: Rule, tensor: torch.Tensor, tp: int, s: ModelShape) -> list[torch.Tensor]:
-    """The `tp` shards of one full Megatron tensor, rank order."""
-    _check_tp(s, tp)
+    """The `tp` shards of one full Megatron tensor, rank order (for an expert's tensor `tp` is
+    the expert-tensor-parallel size)."""
+    _check_tp(s, tp, rule)
     if rule.tp == "none" or tp == 1:
         return [tensor] * tp
     if rule.tp == "row":

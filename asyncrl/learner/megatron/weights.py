@@ -23,6 +23,7 @@ from asyncrl.learner.megatron.name_mapping import (
     MappingError,
     ModelShape,
     Rule,
+    expert_local_name,
     rules,
     to_hf,
     to_megatron,
@@ -98,6 +99,18 @@ def _local_name(rule: Rule, offset: int) -> str:
     return rule.mcore if rule.layer is None else with_layer_offset(rule.mcore, -offset)
 
 
+def expert_split(shape: ModelShape) -> tuple[int, int, int, int]:
+    """(first global expert of this EP rank, experts per EP rank, ETP size, ETP rank)."""
+    from megatron.core import parallel_state as ps
+
+    if not shape.num_experts:
+        return 0, 0, 1, 0
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    per = shape.num_experts // ep
+    etp = ps.get_expert_tensor_parallel_world_size()
+    return ep_rank * per, per, etp, ps.get_expert_tensor_parallel_rank()
+
+
 def load_hf_into(
     model: torch.nn.Module,
     get_hf: Callable[[str], torch.Tensor],
@@ -105,13 +118,15 @@ def load_hf_into(
     te: bool,
     offset: int,
 ) -> None:
-    """Copy this rank's TP shard of every HF-derived tensor into `model` (before DDP wraps it)."""
+    """Copy this rank's TP shard of every HF-derived tensor into `model` (before DDP wraps it);
+    of its own experts' tensors (expert parallel) their ETP shard."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    first, _, etp, etp_rank = expert_split(shape)
     params = dict(unwrap(model).named_parameters())
     shape_rules = rules(shape, te)
-    by_local = {_local_name(r, offset): r for r in shape_rules}
+    by_local = {expert_local_name(_local_name(r, offset), first): r for r in shape_rules}
     if shape.tie_word_embeddings:  # a last pipeline stage holds its own copy of the embedding
         by_local["output_layer.weight"] = shape_rules[0]
     missing = sorted(n for n in params if n not in by_local)
@@ -121,34 +136,67 @@ def load_hf_into(
         for name, param in params.items():
             rule = by_local[name]
             full = to_megatron(rule, [get_hf(n) for n in rule.hf], shape)
-            shard = tp_split(rule, full, tp, shape)[tp_rank]
+            if rule.expert is None:
+                shard = tp_split(rule, full, tp, shape)[tp_rank]
+            else:
+                shard = tp_split(rule, full, etp, shape)[etp_rank]
             if tuple(shard.shape) != tuple(param.shape):
                 raise MappingError(f"{name}: shard {tuple(shard.shape)} vs {tuple(param.shape)}")
             param.copy_(shard.to(param.dtype))
 
 
 def _gather_tp(rule: Rule, shard: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """The full tensor from this rank's shard: over the TP group, or an expert's over ETP."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    if rule.expert is None:
+        group = ps.get_tensor_model_parallel_group()
+        tp = ps.get_tensor_model_parallel_world_size()
+    else:
+        group = ps.get_expert_tensor_parallel_group()
+        tp = ps.get_expert_tensor_parallel_world_size()
     if rule.tp == "none" or tp == 1:
         return shard
     parts = [torch.empty_like(shard) for _ in range(tp)]
-    torch.distributed.all_gather(
-        parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group()
-    )
+    torch.distributed.all_gather(parts, shard.contiguous(), group=group)
     return tp_merge(rule, parts, shape)
+
+
+def _expert_tensor(rule: Rule, params: dict, shape: ModelShape) -> torch.Tensor:
+    """Expert `rule.expert`'s full tensor on every rank of this EP group: ETP-gathered on its
+    owner EP rank, broadcast from there."""
+    from megatron.core import parallel_state as ps
+
+    first, per, _, _ = expert_split(shape)
+    owner = rule.expert // per
+    full = None
+    if first <= rule.expert < first + per:
+        full = _gather_tp(rule, params[expert_local_name(rule.mcore, first)].detach(), shape)
+    group = ps.get_expert_model_parallel_group()
+    if ps.get_expert_model_parallel_world_size() > 1:
+        if full is None:
+            ref = next(iter(params.values()))
+            full = torch.empty(rule.shape, dtype=ref.dtype, device=ref.device)
+        src = torch.distributed.get_process_group_ranks(group)[owner]
+        torch.distributed.broadcast(full, src=src, group=group)
+    return full
 
 
 def export_hf(
     chunks: list[torch.nn.Module], shape: ModelShape, te: bool, layout: list[list[tuple[int, int]]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors on global rank 0 (see module docstring); a generator every rank of
-    DP/CP replica 0 must drive to the end."""
+    DP/CP replica 0 must drive to the end (and, with experts, every rank of expert-DP replica 0:
+    the experts' EP ranks need not be DP rank 0)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0:
+    dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    experts = bool(shape.num_experts) and ps.get_expert_data_parallel_rank() == 0
+    if not dense and not experts:
         return
+    if experts and len(layout) > 1:
+        raise MappingError("exporting experts under pipeline parallelism is not built in "
+                           "(use Megatron-Bridge)")  # fmt: skip
     stage = ps.get_pipeline_model_parallel_rank()
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
@@ -159,6 +207,14 @@ def export_hf(
     dtype, device = first.dtype, first.device
     sender = torch.distributed.get_rank() == 0
     for rule in rules(shape, te):
+        if rule.expert is not None:
+            if experts:
+                full = _expert_tensor(rule, params[0], shape)
+                if sender:
+                    yield from to_hf(rule, full, shape)
+            continue
+        if not dense:
+            continue
         owner, chunk = owner_chunk(rule, layout)
         full = None
         if owner == stage:

@@ -36,7 +36,7 @@ from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
 from asyncrl.learner.collate import collate
-from asyncrl.learner.megatron.args import check_options, plan
+from asyncrl.learner.megatron.args import check_experts, check_options, plan
 from asyncrl.learner.megatron.batch import right_align, schedule_micro, shard_rows
 from asyncrl.learner.megatron.build import (
     Built,
@@ -52,6 +52,7 @@ from asyncrl.learner.megatron.head import head_weight, pass_hidden, response_log
 from asyncrl.learner.megatron.logits import token_logprobs
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.reference import megatron_reference
+from asyncrl.learner.megatron.replay import align_routes, make_replayer, replay_metrics, unalign
 from asyncrl.learner.megatron.weights import export_hf, export_with_bridge, load_hf_into, save_hf
 from asyncrl.learner.objective import (
     advantage_metrics,
@@ -99,6 +100,7 @@ class MegatronWorker:
         hf = json.loads((self.model_path / "config.json").read_text())
         self.vocab_size = hf["vocab_size"]
         check_options(self.sc)
+        check_experts(hf, self.sc, world_size)
         tp = int(self.sc.get("tensor_model_parallel_size") or 1)
         self.shape = None
         if self.auto_bridge is None:
@@ -116,6 +118,9 @@ class MegatronWorker:
             self.reference = self._build(ref_path, trainable=False).chunks
         self.reference_batch_size = spec.infer_batch_size if spec else train.infer_batch_size
         self.chunks, self.optimizer, self.config = wrap(self.built, self.plan)
+        self.replayer, self._watched = None, None  # R3: the policy's routers replay routes
+        if actor.router_replay == "r3":
+            self.replayer = make_replayer(self.chunks, self.config, hf)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_path)
@@ -185,9 +190,16 @@ class MegatronWorker:
         micro-batches in the same order."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        replay = self.replayer is not None and model is self.chunks  # not the reference's
+
         def forward_step(data_iterator, module):
             item = next(data_iterator)
             idx = item[0]
+            if replay:  # this micro-batch's rows, for this chunk's routers (None: no routes)
+                routes = data.get("aligned_routes")
+                self.replayer.set(None if routes is None else routes[idx])
+                if self._watched is not None:
+                    self._watched.append(idx.cpu())
             out = module(data["tokens"][idx], data["position_ids"][idx], None)
             return out, partial(loss_of, item, head_weight(module))
 
@@ -234,8 +246,11 @@ class MegatronWorker:
         tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         data.update(right_align(data, self.pad_id, 2 * cp * tp if cp > 1 else tp))
         data["seq_length"] = data["tokens"].shape[1]
+        keys: tuple[str, ...] = ("tokens", "position_ids", "labels")
+        if self.replayer is not None and "routes" in data:  # laid out as the tokens are
+            data["aligned_routes"] = align_routes(data["routes"], data)
+            keys += ("aligned_routes",)
         if cp > 1:  # this CP rank's positions, split as Megatron's own training loop splits
-            keys = ("tokens", "position_ids", "labels")
             data.update(split_for_cp_rank({k: data[k] for k in keys}))
         return data
 
@@ -244,12 +259,30 @@ class MegatronWorker:
         last pipeline stage; None on the others)."""
         return self._batched_logprobs(self.chunks, self._data(groups), self.train.infer_batch_size)
 
+    def replayed_routes(self, groups: list) -> torch.Tensor:
+        """The experts this rank's routers dispatched each token to in one scoring pass of
+        `groups` with routes replayed ([B, P+R, layers * k] in collate's layout, sorted ids per
+        layer; -1 at rows of other DP ranks, pads, and tokens not routed to exactly k)."""
+        if self.replayer is None or self.config.context_parallel_size > 1:
+            raise RuntimeError("replayed_routes needs actor.router_replay: r3 and no CP")
+        data = self._data(groups)
+        self._watched, self.replayer.watch = [], True
+        try:
+            self._batched_logprobs(self.chunks, data, self.train.infer_batch_size)
+            used = self.replayer.used(data["tokens"].shape[0], data["seq_length"], self._watched)
+        finally:
+            self._watched, self.replayer.watch = None, False
+        return unalign(used.flatten(2), {k: data[k].cpu() for k in ("attention_mask",
+                                                                    "response_mask")})  # fmt: skip
+
     def step(self, groups: list) -> dict[str, float]:
         start = time.perf_counter()
         data = self._data(groups)
         data["advantages"] = batch_advantages(self.algorithm, data)  # whole batch, every rank
         prep, metrics = self._prepare(data)
         metrics.update(self._optimise(data, prep))
+        if self.replayer is not None:  # every rank takes part: the counts are summed
+            metrics.update(replay_metrics(self.replayer, data["tokens"].device))
         self.version += 1
         metrics.update({
             **advantage_metrics(data["advantages"], data["response_mask"]),
