@@ -6,6 +6,7 @@
 # the same benches with more time each). Wheels as loop_check.sh and device_check.sh say; run
 # `bash tests/gpu/all_check.sh` with carry [".gpu/whl", ".whl"] and timeout_s 570. Logs and
 # result JSON come back under $OUT (at most 8 files: the logs are concatenated into one).
+# `ONLY="gpu tests,bench e2e"` runs just the parts named (a rerun in a short call).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 END=${END:-540}  # seconds of the call this script may use
@@ -22,6 +23,7 @@ pytest() { python3 -m pytest -v -rs -p no:cacheprovider -o addopts="" "$@"; }
 # part NAME NEED_SECONDS CAP_SECONDS CMD...: run CMD under min(CAP, time left) when NEED is left
 part() {
   local name=$1 need=$2 cap=$3; shift 3
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then return; fi  # ONLY: a comma list
   local budget; budget=$(left); [ "$budget" -gt "$cap" ] && budget=$cap
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left)s left" | tee -a "$LOG"; return; fi
   echo "== $name ($(el)s, up to ${budget}s)" | tee -a "$LOG"
