@@ -38,6 +38,35 @@ MAX_EXPERTS = UNROUTED
 _ATTR = "_asyncrl_tap"
 
 
+#: transformers' fused expert parameters of a layer (`mlp.experts.*`: [experts, 2 x I, H] with
+#: each expert's gate rows before its up rows, and [experts, H, I]).
+FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def checkpoint_tensors(
+    named: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` with each fused expert parameter split into the checkpoint's per-expert tensors
+    (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]; views,
+    no copies). Why: weights leave the learner in the names a model's checkpoint holds, the
+    ones every engine loads at start (SGLang's and vLLM's MoE loaders map per-expert names into
+    their own fused layout; the hf engine copies them into its slices), so a sync goes through
+    the loader the engine's start already ran. Other tensors pass unchanged."""
+    for name, tensor in named:
+        fused_gate_up = name.endswith(FUSED_GATE_UP) and tensor.dim() == 3
+        if not (fused_gate_up or (name.endswith(FUSED_DOWN) and tensor.dim() == 3)):
+            yield name, tensor
+            continue
+        prefix = name[: -len("gate_up_proj" if fused_gate_up else "down_proj")]
+        half = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            if fused_gate_up:
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :half]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, half:]
+            else:
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+
+
 class RoutesError(ValueError):
     """Routes that cannot be replayed on this model (shape, expert ids)."""
 

@@ -12,6 +12,7 @@ import torch
 
 from asyncrl.engine.hf.engine import HFEngine
 from asyncrl.engine.hf.weights import WeightReceiver
+from asyncrl.moe import checkpoint_tensors
 from asyncrl.weights.buckets import dtype_name, flat_layout, flatten_bucket
 from asyncrl.weights.group import broadcast, create_group, destroy_group, rendezvous_port
 
@@ -27,22 +28,9 @@ def moe_model(seed: int):
 
 
 def per_expert(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's tensors under checkpoint names (experts one by one)."""
-    out = []
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix, half = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out += [(f"{prefix}.{e}.gate_proj.weight", t[e, :half].contiguous()),
-                        (f"{prefix}.{e}.up_proj.weight", t[e, half:].contiguous())]  # fmt: skip
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            out += [(f"{prefix}.{e}.down_proj.weight", t[e].contiguous())
-                    for e in range(t.shape[0])]  # fmt: skip
-        else:
-            out.append((name, t.clone()))
-    return out
+    """The model's tensors under checkpoint names (experts one by one), as the learners send."""
+    named = ((n, p.detach()) for n, p in model.named_parameters())
+    return [(n, t.contiguous().clone()) for n, t in checkpoint_tensors(named)]
 
 
 @pytest.mark.parametrize("load_format", ["flattened_bucket", None])

@@ -25,6 +25,7 @@ from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.learner import lean, lora, packing, routing
+from asyncrl.moe import checkpoint_tensors
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import objective as obj
 from asyncrl.learner.collate import collate
@@ -347,11 +348,12 @@ class TorchLearner:
 
     # -- weights and state -------------------------------------------------------------------
     def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names (with LoRA: the adapter merged in). Sharded: one
+        """Full tensors under the checkpoint's HF names (fused experts split per expert:
+        `moe.checkpoint_tensors`; with LoRA: the adapter merged in). Sharded: one
         all-gather per tensor, every rank in this order (distributed.py drains them)."""
         if self.lora:
-            return lora.merged_tensors(self.model, self.sync_dtype)
-        return fsdp.full_tensors(self.model, self.sync_dtype)
+            return checkpoint_tensors(lora.merged_tensors(self.model, self.sync_dtype))
+        return checkpoint_tensors(fsdp.full_tensors(self.model, self.sync_dtype))
 
     @property
     def sync_device(self) -> torch.device:
