@@ -267,7 +267,11 @@ def _fields(g: TrajectoryGroup) -> dict:
         (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
           "actor.use_dynamic_bsz=true"], "packed one"),
         (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
-          "actor_infer.strategy_args.strategy_name=sglang"], "only hf_infer"),
+          "actor_infer.strategy_args.strategy_name=sglang"], "enable_return_routed_experts"),
+        (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
+          "actor_infer.strategy_args.strategy_name=sglang",
+          "actor_infer.strategy_args.strategy_config.enable_return_routed_experts=true",
+          "actor_infer.strategy_args.strategy_config.router=true"], "router drops"),
         (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
           "actor_train.model_args.disable_gradient_checkpointing=false"], "checkpointing off"),
         (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
@@ -280,6 +284,14 @@ def _fields(g: TrajectoryGroup) -> dict:
 def test_moe_settings_a_run_cannot_honour_are_refused(overrides, problem):
     with pytest.raises(ConfigError, match=problem):
         load_config(None, overrides)
+
+
+def test_r3_with_sglang_engines_launched_to_return_routes_validates():
+    cfg = load_config(None, ["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
+                             "actor_infer.strategy_args.strategy_name=sglang",
+                             "actor_infer.strategy_args.strategy_config."
+                             "enable_return_routed_experts=true"])  # fmt: skip
+    assert cfg.actor.router_replay == "r3"
 
 
 def test_r3_on_a_dense_model_directory_is_refused(tmp_path):

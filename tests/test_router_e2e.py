@@ -352,3 +352,48 @@ async def sync_through(engines: list[PausedSGLang], ours: str, checked: str) -> 
             await client.resume()
             await client.close()
         assert [c.version for c in await pending] == [1, 1]
+
+
+def test_routed_experts_reach_the_engines_directly_since_the_router_drops_them(tmp_path):
+    """`actor.router_replay: r3` with SGLang engines: the real sglang-router forwards /generate
+    as its own typed struct, without `return_routed_experts` (the upstream fact behind
+    `sglang.ROUTES_FLAG`: with the flag, `router: auto` sends rollout workers to the engines
+    directly); there, the worker's `meta_info["routed_experts"]` reaches the client whole
+    (prompt + output - 1 rows). If a router release starts forwarding the field, this says so."""
+    from tests.test_sglang_versions import FAKE
+
+    layers, top_k = 2, 2  # the fake's (fake_server.ROUTED_LAYERS, ROUTED_TOP_K)
+    env = {"PYTHONPATH": FAKE, "FAKE_SGLANG_VERSION": "0.5.23", "FAKE_SGLANG_TOKEN_DELAY_S": "0"}
+    settings = sl.SGLangSettings.parse({"env": env, sl.ROUTES_FLAG: True})
+    port = free_port()
+    cmd = sl.server_command(tmp_path, port, 1, settings)
+    handle = sl.start_process(cmd, settings.env, f"http://127.0.0.1:{port}", tmp_path / "w.log")
+    worker = sl.wait_healthy(handle, "/health_generate", 90, "fake sglang 0.5.23")
+    router = None
+    request = GenerateRequest([3, 4, 5], {"max_new_tokens": 3, "ignore_eos": True},
+                              return_routed_experts=True)  # fmt: skip
+
+    async def ask(url: str, routed: bool):
+        async with EngineClient(url, timeout=30, router=routed) as client:
+            return await client.generate_one(request)
+
+    try:
+        router, _ = start_router([worker.url], tmp_path)
+        with pytest.raises(EngineError, match="routed_experts"):
+            asyncio.run(ask(router.url, True))
+        (forwarded,) = generate_calls(worker.url)
+        assert "return_routed_experts" not in forwarded  # dropped by the router
+        done = asyncio.run(ask(worker.url, False))
+        assert generate_calls(worker.url)[-1]["return_routed_experts"] is True
+        tokens = [3, 4, 5, *done.output_ids]
+        assert done.routed_experts.shape == (len(tokens) - 1, layers * top_k)
+        expected = [(4 + layer + k) % 8 for layer in range(layers) for k in range(top_k)]
+        assert done.routed_experts[1].tolist() == expected
+        assert [state(worker.url)["violations"]] == [[]]
+        routes = sl.SGLangLauncher.routes  # the launcher's decision, on its settings alone
+        assert not routes(SimpleNamespace(settings=settings), 2)
+        assert routes(SimpleNamespace(settings=sl.SGLangSettings.parse({})), 2)
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()

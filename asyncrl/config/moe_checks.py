@@ -87,9 +87,7 @@ def _check_router_replay(cfg: Config) -> None:
     if name not in ("fsdp2_train", "megatron_train"):
         raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train and megatron_train "
                           f"learners, not {name}")  # fmt: skip
-    if infer.strategy_args.strategy_name != "hf_infer":
-        raise ConfigError(f"{key}: r3 needs engines that return routed experts; only hf_infer's "
-                          "are read here (SGLang's field is not wired yet)")  # fmt: skip
+    _check_engines_return_routes(infer, key)
     if name == "megatron_train":
         _check_megatron_replay(cfg, key)
     if cfg.actor.use_dynamic_bsz:
@@ -108,6 +106,28 @@ def _check_router_replay(cfg: Config) -> None:
         raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
                           "replayed routes is untested)")  # fmt: skip
     _check_moe_model(cfg, key)
+
+
+def _check_engines_return_routes(infer: Any, key: str) -> None:
+    """The engines must answer `return_routed_experts`: the hf engine always can; SGLang's
+    servers only when started with `--enable-return-routed-experts` (0.5.10+, its own parser
+    refuses the flag before): a launched server gets it from strategy_config (a server flag),
+    an attached one (`server_urls`) must have been started with it (a reply without the routes
+    is refused naming the field, `engine/replies.py`)."""
+    name, sc = infer.strategy_args.strategy_name, infer.strategy_args.strategy_config
+    if name == "sglang" and not sc.get("server_urls"):
+        if sc.get("enable_return_routed_experts") is not True:
+            raise ConfigError(f"{key}: r3 with sglang engines needs them to return routed "
+                              "experts: set actor_infer.strategy_args.strategy_config."
+                              "enable_return_routed_experts: true (SGLang 0.5.10+)")  # fmt: skip
+        if sc.get("router") is True:
+            raise ConfigError(f"{key}: sglang-router drops return_routed_experts from the "
+                              "requests it forwards: set actor_infer.strategy_args."
+                              "strategy_config.router: auto or false (r3 reaches the "
+                              "engines directly)")  # fmt: skip
+    elif name != "sglang" and name != "hf_infer":
+        raise ConfigError(f"{key}: r3 needs engines that return routed experts (hf_infer or "
+                          f"sglang), not {name}")  # fmt: skip
 
 
 #: The first megatron-core release with `megatron/core/transformer/moe/router_replay.py`.

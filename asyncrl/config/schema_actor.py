@@ -268,7 +268,8 @@ class ActorConfig:
     episode's observation tokens the next turn's prefill, so a continued or re-prefilled sample
     keeps its routes; the last response token routes itself. Needs a Qwen3-MoE/Qwen2-MoE
     policy (Qwen3-MoE with megatron_train) on one learner device with fsdp2_train, hf_infer
-    engines, the padded forward (not
+    engines or SGLang's (0.5.10+, launched with `enable_return_routed_experts: true` in
+    actor_infer's strategy_config), the padded forward (not
     `use_dynamic_bsz`), eager (no `use_torch_compile`) and without activation checkpointing
     (a recompute in the backward would route itself); every row runs whole.
     `learner/router_replayed_frac` and `learner/router_differ_frac` (the share of replayed

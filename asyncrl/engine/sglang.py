@@ -80,6 +80,11 @@ SINGLE_ONLY = {
     "pp_size": "pp_size", "pp": "pp_size", "pipeline_parallel_size": "pp_size",
 }  # fmt: skip
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: The server flag of routed experts (`actor.router_replay: r3`). sglang-router (0.3.2, the
+#: newest) forwards /generate as its own typed struct, which lacks `return_routed_experts`:
+#: the field never reaches a worker (tests/test_router_e2e.py), so with this flag rollout
+#: workers reach the engines directly (`router: auto`), and `router: true` is refused.
+ROUTES_FLAG = "enable_return_routed_experts"
 #: Rollout requests carry no priority; the servers' default for them when priority is on.
 ROLLOUT_PRIORITY = 0
 #: The first release with `--default-priority-value` (0.5.9's server_args lacks it).
@@ -414,6 +419,8 @@ class SGLangLauncher:
         """Whether rollout workers reach `engines` engines through the router (`router`: true,
         or auto with more than one)."""
         wanted = self.settings.router
+        if wanted == "auto" and self.settings.server_flags.get(ROUTES_FLAG):
+            return False  # the router drops return_routed_experts (ROUTES_FLAG's comment)
         return wanted is True or (wanted == "auto" and engines >= 2)
 
     def _start_router(self, worker_urls: list[str]) -> ServerHandle:

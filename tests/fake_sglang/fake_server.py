@@ -75,6 +75,8 @@ SCHEMAS["/generate"] |= {
     "background": ((bool,), False), "no_logs": ((bool,), False),
     "return_bytes": ((bool,), False), "return_entropy": ((bool,), False),
 }  # fmt: skip
+if Upstream.from_env().routed_experts:  # GenerateReqInput's field from 0.5.10 on
+    SCHEMAS["/generate"]["return_routed_experts"] = ((bool,), False)
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "sampling_seed",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}  # fmt: skip
@@ -235,6 +237,9 @@ class FakeSGLang:
             meta["weight_version"] = versions[-1]
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[logprob, t, None] for t in out]
+        if body.get("return_routed_experts") and getattr(self.args, "enable_return_routed_experts",
+                                                         False):  # fmt: skip
+            meta["routed_experts"] = routed_experts(body["input_ids"] + out)
         return {"text": "", "output_ids": out, "meta_info": meta}
 
     async def may_continue(self, me: object, epoch: int) -> bool:
@@ -399,6 +404,21 @@ def api_key_middleware(api_key: str):
     return authentication
 
 
+#: The fake's mixture of experts: (layers, top_k) of the routes it reports.
+ROUTED_LAYERS, ROUTED_TOP_K = 2, 2
+
+
+def routed_experts(tokens: list[int]) -> str:
+    """SGLang's `meta_info["routed_experts"]`: base64 of int32 [len(tokens) - 1, layers, top_k]
+    (every position but the last); expert ids derived from each token (ids 0..7)."""
+    import base64
+    import struct
+
+    ids = [(t + layer + k) % 8 for t in tokens[:-1]
+           for layer in range(ROUTED_LAYERS) for k in range(ROUTED_TOP_K)]  # fmt: skip
+    return base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+
+
 def main_server() -> None:
     p = argparse.ArgumentParser("sglang.launch_server (fake)")
     p.add_argument("--model-path", required=True)
@@ -417,6 +437,8 @@ def main_server() -> None:
     for flag in ("--trust-remote-code", "--disable-radix-cache", "--skip-server-warmup"):
         p.add_argument(flag, action="store_true")
     add_flags(p)
+    if Upstream.from_env().routed_experts:  # 0.5.10+
+        p.add_argument("--enable-return-routed-experts", action="store_true")
     args = p.parse_args()
     if not os.path.isdir(args.model_path):
         sys.exit(f"model path {args.model_path} is not a directory")

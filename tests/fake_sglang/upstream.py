@@ -35,6 +35,7 @@ class Upstream:
     dies_on_refused_flush: bool
     counts_waiting: bool
     version_spans: bool
+    routed_experts: bool  # --enable-return-routed-experts and meta_info["routed_experts"]
     token_delay_s: float
 
     @classmethod
@@ -51,6 +52,7 @@ class Upstream:
             dies_on_refused_flush=v < (0, 5, 23),
             counts_waiting=(0, 5, 10) <= v < (0, 5, 21),
             version_spans=v >= (0, 5, 23),
+            routed_experts=v >= (0, 5, 10),
             # per generated token: lets a test catch requests in flight (the fake's own pace)
             token_delay_s=float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY_S", "0")),
         )

@@ -25,7 +25,6 @@ from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
 from asyncrl.learner import lean, lora, packing, routing
-from asyncrl.moe import checkpoint_tensors
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import objective as obj
 from asyncrl.learner.collate import collate
@@ -35,6 +34,7 @@ from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import critic as torch_critic
 from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.policy import load_policy, load_reference
+from asyncrl.moe import checkpoint_tensors
 from asyncrl.types import TrajectoryGroup
 
 
