@@ -35,6 +35,8 @@ USER_ERRORS = (
     ("asyncrl.learner.megatron.args", "MegatronConfigError"),
     ("asyncrl.learner.reference", "ReferenceConfigError"),
     ("asyncrl.rollout.settings", "PermanentRolloutError"),
+    ("asyncrl.learner.placed_ranks", "RankPlacementError"),
+    ("asyncrl.learner.placement", "LostRankError"),
 )
 MODEL_KEY = "actor_train.model_args.model_name_or_path"
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")

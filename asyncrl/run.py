@@ -257,9 +257,8 @@ def startup_metrics(started: float, budget: ThreadBudget) -> dict[str, float]:
 def rank_placement(cfg: Config) -> RankPlacement:
     """Where a multi-rank learner's other ranks run. Multi-node, the run joins its cluster
     first (before the learner's ranks or the engines start: one Ray per process)."""
-    if not cfg.cluster.address.strip():
-        return RankPlacement()
-    from asyncrl.net import init_ray
+    if cfg.cluster.address.strip():
+        from asyncrl.net import init_ray
 
-    init_ray(cfg.cluster.address.strip())
-    return RankPlacement(multinode=True, bundle=dict(cfg.cluster.learner_bundle))
+        init_ray(cfg.cluster.address.strip())
+    return RankPlacement.from_config(cfg)

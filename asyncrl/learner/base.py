@@ -69,5 +69,5 @@ def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
 
         if kwargs.pop("critic", None) is not None:  # the config rules refuse it first
             raise ValueError("a critic with megatron_train is not available (use fsdp2_train)")
-        return MegatronLearner(**kwargs)
+        return MegatronLearner(**kwargs, placement=placement)
     raise ValueError(f"unknown learner strategy {name!r}; valid: fsdp2_train, megatron_train")
