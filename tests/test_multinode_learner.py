@@ -17,8 +17,8 @@ import torch
 
 from asyncrl.checkpoint import Checkpointer
 from asyncrl.learner import lora
-from asyncrl.learner.placement import LostRankError, RankPlacement
 from asyncrl.learner.placed_ranks import RANK_ACCELERATOR_ENV, RankPlacementError
+from asyncrl.learner.placement import LostRankError, RankPlacement
 from asyncrl.learner.torch.distributed import DistributedTorchLearner
 from asyncrl.net import is_loopback
 from tests.test_torch_learner import _groups, _learner
