@@ -77,9 +77,7 @@ def _same_weights(dist, single) -> None:
         torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_four_ranks_on_two_nodes_match_one_process(
-    tiny_model, tmp_path, gpu_nodes, emulated_gpus
-):
+def test_four_ranks_on_two_nodes_match_one_process(tiny_model, tmp_path, gpu_nodes, emulated_gpus):
     """fsdp2_train on 4 ranks, 2 per node: rank 0 (the driver) on the GPU its holder took,
     ranks 1..3 each on one Ray GPU of its planned node with its LOCAL_RANK, meeting rank 0 at
     the driver node's routable address; two steps equal one process's; a sharded checkpoint
@@ -174,9 +172,7 @@ def test_an_output_dir_a_rank_cannot_read_is_refused(
     assert "\n" not in str(e.value) and str(tmp_path) in str(e.value)
 
 
-def test_a_driver_node_without_a_free_gpu_is_refused_with_the_way_to_run(
-    gpu_nodes, emulated_gpus
-):
+def test_a_driver_node_without_a_free_gpu_is_refused_with_the_way_to_run(gpu_nodes, emulated_gpus):
     """Both of the driver node's GPUs taken (by two actors): rank 0's device cannot be
     reserved, and one line says how to put the driver on a GPU node (a Ray job given one)."""
     import ray

@@ -30,8 +30,12 @@ def check_cluster(cfg: Config) -> None:
     _check_learner_env(cl.learner_env)
     t = cl.collective_timeout_s
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 1:
-        raise ConfigError(f"cluster.collective_timeout_s must be a number of seconds >= 1, got {t!r}")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in cl.accelerators_per_node):
+        raise ConfigError(
+            f"cluster.collective_timeout_s must be a number of seconds >= 1, got {t!r}"
+        )
+    if any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in cl.accelerators_per_node
+    ):
         raise ConfigError(
             f"cluster.accelerators_per_node must list ints >= 0, got {cl.accelerators_per_node!r}"
         )
@@ -74,13 +78,19 @@ def _check_bundle(name: str, bundle: dict) -> None:
 def _check_learner_env(env: dict) -> None:
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
-            raise ConfigError(f"cluster.learner_env key {key!r} is not an environment variable name")
+            raise ConfigError(
+                f"cluster.learner_env key {key!r} is not an environment variable name"
+            )
         if key in OWN_RANK_ENV:
             raise ConfigError(
                 f"cluster.learner_env.{key} is set by asyncrl for each rank (its placement): "
                 "remove it"
             )
-        if not isinstance(value, str | int | float) or isinstance(value, bool) or "\0" in str(value):
+        if (
+            not isinstance(value, str | int | float)
+            or isinstance(value, bool)
+            or "\0" in str(value)
+        ):
             raise ConfigError(f"cluster.learner_env.{key} must be a string, got {value!r}")
 
 

@@ -61,8 +61,7 @@ def torch_index(device_id: int, resource: str) -> int:
     ids = [v.strip() for v in visible.split(",")]
     if str(device_id) not in ids:
         raise RankPlacementError(
-            f"device {device_id} is not visible to this process "
-            f"({VISIBILITY[resource]}={visible})"
+            f"device {device_id} is not visible to this process ({VISIBILITY[resource]}={visible})"
         )
     return ids.index(str(device_id))
 
@@ -92,6 +91,18 @@ class PlacedRanks:
     resource: str
     holder: Any = None
     options: list[dict[str, Any]] = field(default_factory=list)
+    holders: list[Any] = field(default_factory=list)
+    """Placeholders of ranks 1..W-1's devices until their actors start (`hand_over`)."""
+    group: int = 1
+
+    def hand_over(self) -> None:
+        """Free the devices held for ranks 1..W-1: their actors, pinned to the same nodes,
+        take them next (engines were placed meanwhile; nothing else asks for devices)."""
+        import ray
+
+        for holder in self.holders:
+            ray.kill(holder, no_restart=True)
+        self.holders = []
 
     def where(self, rank: int) -> str:
         node_id, ip = self.nodes[self.slots[rank].node]
@@ -108,6 +119,7 @@ class PlacedRanks:
     def release(self) -> None:
         import ray
 
+        self.hand_over()
         if self.holder is not None:
             ray.kill(self.holder, no_restart=True)
             self.holder = None
@@ -187,9 +199,7 @@ def free_accelerators(resource: str, held: bool) -> tuple[list[str], list[int]]:
     return ids, counts
 
 
-def place_ranks(
-    world: int, group: int, resource: str, expected: Sequence[int] = ()
-) -> PlacedRanks:
+def place_ranks(world: int, group: int, resource: str, expected: Sequence[int] = ()) -> PlacedRanks:
     """Reserve rank 0's device, plan ranks 0..world-1 on the nodes' free `resource` in
     node-local groups of `group`, and make each remote rank's Ray options (one `resource`,
     one CPU, pinned to its node). `expected` (`cluster.accelerators_per_node`): the counts the
@@ -210,13 +220,32 @@ def place_ranks(
             ray.kill(holder, no_restart=True)
         raise
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    placed = PlacedRanks(slots, [(i, ips[i]) for i in ids], rank0, resource, holder)
+    placed = PlacedRanks(slots, [(i, ips[i]) for i in ids], rank0, resource, holder, group=group)
+    pins = [NodeAffinitySchedulingStrategy(ids[s.node], soft=False) for s in slots[1:]]
     placed.options = [
-        {"num_cpus": 1, **_resource_option(resource),
-         "scheduling_strategy": NodeAffinitySchedulingStrategy(ids[s.node], soft=False)}
-        for s in slots[1:]
-    ]  # fmt: skip
+        {"num_cpus": 1, **_resource_option(resource), "scheduling_strategy": pin} for pin in pins
+    ]
+    try:
+        _hold_devices(ray, placed, pins)
+    except BaseException:
+        placed.release()
+        raise
     return placed
+
+
+def _hold_devices(ray: Any, placed: PlacedRanks, pins: list[Any]) -> None:
+    """Hold each remote rank's device on its planned node until `hand_over`, so the engines
+    (placed between the plan and the learner's start) take other devices."""
+    holder_cls = ray.remote(num_cpus=0, **_resource_option(placed.resource))(_Holder)
+    placed.holders = [holder_cls.options(scheduling_strategy=pin).remote() for pin in pins]
+    refs = [h.ids.remote(placed.resource) for h in placed.holders]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=READY_TIMEOUT_S)
+    if len(ready) < len(refs):
+        late = [r for r, ref in enumerate(refs, start=1) if ref not in ready]
+        raise RankPlacementError(
+            f"learner rank(s) {late}: no {placed.resource} free on their planned node(s) "
+            f"within {READY_TIMEOUT_S:.0f}s"
+        )
 
 
 def _check_expected(

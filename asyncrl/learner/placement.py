@@ -46,8 +46,10 @@ from typing import Any
 
 from asyncrl.learner.placed_ranks import (
     READY_TIMEOUT_S,
+    PlacedRanks,
     RankPlacementError,
     check_shared,
+    place_ranks,
     rank_resource,
     shared_nonce,
 )
@@ -114,6 +116,7 @@ class RankPlacement:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     accelerators_per_node: tuple[int, ...] = ()  # cluster.accelerators_per_node
     shared_dir: str | None = None  # output_dir: multi-node, every rank must see it
+    reserved: dict[str, Any] = field(default_factory=dict)  # "ranks": PlacedRanks (`reserve`)
 
     @classmethod
     def from_config(cls, cfg: Any) -> RankPlacement:
@@ -138,6 +141,38 @@ class RankPlacement:
                 "the node plan (asyncrl/config/rank_plan.py): remove it"
             )
         return resource
+
+    def reserve(self, kind: str, world: int, group: int) -> PlacedRanks | None:
+        """Multi-node on accelerators: plan the ranks and hold their devices now (before the
+        engines are placed; a driver's node without a free device is refused here, before
+        anything starts). The learner takes them over (`placed_ranks`). None otherwise."""
+        resource = self.resource(kind)
+        if resource is None:
+            return None
+        placed = self.reserved.get("ranks")
+        if placed is None:
+            placed = place_ranks(world, group, resource, self.accelerators_per_node)
+            self.reserved["ranks"] = placed
+        return placed
+
+    def placed_ranks(self, kind: str, world: int, group: int) -> PlacedRanks | None:
+        """The learner's share of `reserve` (made now if it was not): it owns them from here
+        (releases them at its close)."""
+        placed = self.reserve(kind, world, group)
+        if placed is not None and (len(placed.slots), placed.group) != (world, group):
+            placed.release()
+            raise RankPlacementError(
+                f"the learner's {world} ranks in groups of {group} differ from the "
+                f"{len(placed.slots)} in groups of {placed.group} reserved for it"
+            )
+        self.reserved.pop("ranks", None)
+        return placed
+
+    def release_reserved(self) -> None:
+        """Free what `reserve` holds if no learner took it over (a run that ended before)."""
+        placed = self.reserved.pop("ranks", None)
+        if placed is not None:
+            placed.release()
 
     def apply_env(self) -> None:
         """`cluster.learner_env` into this process (rank 0), before its groups start."""

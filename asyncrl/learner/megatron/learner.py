@@ -30,7 +30,7 @@ from asyncrl.device import DeviceSpec, detect_device, device_spec, prepare_megat
 from asyncrl.learner.megatron.build import bridge_class
 from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.worker import MegatronWorker, require_megatron
-from asyncrl.learner.placed_ranks import PlacedRanks, accelerator_ids, place_ranks, torch_index
+from asyncrl.learner.placed_ranks import PlacedRanks, accelerator_ids, torch_index
 from asyncrl.learner.placement import RankActor, RankPlacement, RankWatch, Rendezvous
 
 __all__ = ["MegatronLearner", "require_megatron"]
@@ -94,19 +94,18 @@ class MegatronLearner:
                       reference=reference)  # fmt: skip
         self.model_path, self.remotes, self._ray = Path(model_path), [], None
         placement = placement or RankPlacement()
-        self._placed: PlacedRanks | None = None
-        resource = placement.resource(device.kind)
-        if resource is not None:  # multi-node on accelerators (a lone rank too: its device)
+        # multi-node on accelerators (a lone rank too: its device): the node plan, reserved
+        # before the engines or made now
+        sa = train.strategy_args
+        group = node_group_size(sa.strategy_name, sa.strategy_config)
+        if placement.multinode:
             self._ray = self._init_ray()
-            sa = train.strategy_args
-            group = node_group_size(sa.strategy_name, sa.strategy_config)
-            self._placed = place_ranks(len(mapping), group, resource,
-                                       placement.accelerators_per_node)  # fmt: skip
+        self._placed: PlacedRanks | None = placement.placed_ranks(device.kind, len(mapping), group)
         # Rank 0 is this process, on device mapping[0] (placed: the one held for it);
         # build.init_distributed selects it on this thread, the sync's threads from here.
         local = mapping[0]
         if self._placed is not None and device.kind != "cpu":
-            local = torch_index(self._placed.rank0_device, resource)
+            local = torch_index(self._placed.rank0_device, self._placed.resource)
         self.sync_device = device.torch_device(local)
         # One host: the ranks meet in a file store in a private directory (no port a local
         # process could join); a lone rank keeps its store in memory (build.init_distributed).
@@ -150,6 +149,8 @@ class MegatronLearner:
             options = [{**o, **placement.rank_env(dev.pinned_env(mapping[r]))}
                        for r, o in enumerate(placement.actor_options(world - 1), start=1)]  # fmt: skip
         resource = placed.resource if placed is not None else None
+        if placed is not None:
+            placed.hand_over()  # the devices held for ranks 1..W-1, to their actors
         self.remotes = [
             remote_cls.options(**o).remote(kwargs, rank, world, meet, dev.kind, resource)
             for rank, o in enumerate(options, start=1)

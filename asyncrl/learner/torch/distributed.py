@@ -29,7 +29,7 @@ import torch
 
 from asyncrl.device import DeviceSpec, detect_device, device_spec, select_device
 from asyncrl.learner.objective import check_learner_side
-from asyncrl.learner.placed_ranks import PlacedRanks, place_ranks, torch_index
+from asyncrl.learner.placed_ranks import PlacedRanks, torch_index
 from asyncrl.learner.placement import RankActor, RankPlacement, RankWatch, Rendezvous
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import fsdp
@@ -171,9 +171,8 @@ class DistributedTorchLearner:
         self._ray, self.remotes, self._placed = ray, [], None
         placement = placement or RankPlacement()
         spec = device or detect_device()
-        resource = placement.resource(spec.kind)
-        if resource is not None:  # multi-node on accelerators: the node plan
-            self._placed = place_ranks(world_size, 1, resource, placement.accelerators_per_node)
+        # multi-node on accelerators: the node plan (reserved before the engines, or now)
+        self._placed = placement.placed_ranks(spec.kind, world_size, 1)
         meet, self._private = placement.rendezvous()  # kept: later groups use it
         kwargs.pop("device", None)  # each rank's own
         try:
@@ -198,6 +197,8 @@ class DistributedTorchLearner:
             options = [{**o, **placement.rank_env(env)}
                        for o, (_, env) in zip(placement.actor_options(world - 1), pinned[1:],
                                               strict=True)]  # fmt: skip
+        if self._placed is not None:
+            self._placed.hand_over()  # the devices held for ranks 1..W-1, to their actors
         self.remotes = [
             remote_cls.options(**opts).remote(kwargs, rank, world, meet, spec.kind, devices[rank])
             for rank, opts in enumerate(options, start=1)
