@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from asyncrl.config import load_config
 from asyncrl.config.rank_plan import RankPlanError, describe, node_group_size, plan_ranks
@@ -118,3 +120,22 @@ def test_a_multinode_megatron_learner_validates():
         "cluster.accelerators_per_node=[2, 2]", "cluster.learner_env={NCCL_SOCKET_IFNAME: eth0}",
     ])  # fmt: skip
     assert cfg.cluster.learner_env == {"NCCL_SOCKET_IFNAME": "eth0"}
+
+
+def test_the_32b_recipe_validates_and_show_prints_its_learner_placement(capsys):
+    """The 4-node recipe: 16 Megatron ranks (TP 4 x PP 2 x DP 2) planned on 8 GPUs per node:
+    ranks 0-7 on the driver's node, 8-15 on the next, every TP group inside one node."""
+    from asyncrl.cli import main
+
+    recipe = Path(__file__).parents[1] / "configs" / "qwen2.5-32b-math-sglang-megatron-4nodes.yaml"
+    assert main(["config", "validate", str(recipe)]) == 0
+    assert main(["config", "show", str(recipe)]) == 0
+    text = capsys.readouterr().out
+    shown = yaml.safe_load(text.split("# learner placement", 1)[1].split("\n", 1)[1])
+    placement = shown["learner_placement"]
+    assert placement["nodes"][0].startswith("node 0 (driver): rank 0 -> device 0, rank 1 ->")
+    assert placement["nodes"][1].startswith("node 1: rank 8 -> device 0,")
+    assert len(placement["nodes"]) == 2
+    groups = placement["groups"]
+    assert groups["tensor_parallel"] == ["0-3", "4-7", "8-11", "12-15"]
+    assert groups["pipeline_parallel"][0] == "0,8" and groups["data_parallel"][0] == "0,4"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class RankPlanError(ValueError):
@@ -94,3 +95,62 @@ def describe(slots: Sequence[RankSlot], devices: Sequence[Sequence[int]] | None 
         where = ", ".join(f"rank {s.rank} -> device {ids[s.local_rank]}" for s in ranks)
         lines.append(f"node {node}{' (driver)' if node == 0 else ''}: {where}")
     return "\n".join(lines)
+
+
+def parallel_groups(world: int, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, list]:
+    """Megatron's rank groups in its default order (tensor parallel fastest, then context,
+    data, pipeline: "tp-cp-ep-dp-pp"): rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)).
+    fsdp2_train: tp = pp = cp = 1, one data-parallel group of every rank."""
+    dp = world // (tp * pp * cp)
+
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + cp * (d + dp * p))
+
+    loops = [(c, d, p) for p in range(pp) for d in range(dp) for c in range(cp)]
+    groups = {
+        "tensor_parallel": [[rank(t, c, d, p) for t in range(tp)] for c, d, p in loops],
+        "pipeline_parallel": [
+            [rank(t, c, d, p) for p in range(pp)] for d in range(dp) for c in range(cp)
+            for t in range(tp)
+        ],
+        "data_parallel": [
+            [rank(t, c, d, p) for d in range(dp)] for p in range(pp) for c in range(cp)
+            for t in range(tp)
+        ],
+    }  # fmt: skip
+    if cp > 1:
+        groups["context_parallel"] = [
+            [rank(t, c, d, p) for c in range(cp)] for p in range(pp) for d in range(dp)
+            for t in range(tp)
+        ]  # fmt: skip
+    return groups
+
+
+def learner_placement(cfg: Any) -> dict[str, Any] | None:
+    """What `config show` prints of a multi-node learner's placement, planned on
+    `cluster.accelerators_per_node` (None without it or without `cluster.address`): each
+    node's ranks and device slots, and the parallel groups."""
+    cl, train = cfg.cluster, cfg.actor_train
+    if not cl.address.strip() or not cl.accelerators_per_node:
+        return None
+    sa = train.strategy_args
+    world, sc = len(train.device_mapping), sa.strategy_config
+    slots = plan_ranks(world, node_group_size(sa.strategy_name, sc), cl.accelerators_per_node)
+    if sa.strategy_name == "megatron_train":
+        sizes = [int(sc.get(k) or 1) for k in ("tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size")]  # fmt: skip
+        groups = parallel_groups(world, *sizes)
+    else:
+        groups = parallel_groups(world)
+    return {
+        "planned_on": {"accelerators_per_node": list(cl.accelerators_per_node)},
+        "nodes": describe(slots).splitlines(),
+        "groups": {k: [_span(g) for g in v] for k, v in groups.items()},
+    }
+
+
+def _span(ranks: list[int]) -> str:
+    """A group as text: "0-3" for consecutive ranks, else "0,4,8"."""
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
