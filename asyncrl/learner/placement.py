@@ -203,7 +203,7 @@ class RankPlacement:
         all started within `READY_TIMEOUT_S`, and multi-node each reads back a nonce the driver
         wrote under output_dir. Else every rank is removed and RankPlacementError says which."""
         path, nonce = shared_nonce(self.shared_dir) if self.shared_dir else ("", "")
-        refs = [r.probe.remote(path, nonce) for r in remotes]
+        refs = [r.probe.remote(path, nonce, sorted(self.env)) for r in remotes]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=READY_TIMEOUT_S)
         try:
             late = [rank for rank, ref in enumerate(refs, start=1) if ref not in ready]
@@ -276,8 +276,8 @@ class RankPlacement:
 class RankActor:
     """What every remote rank's Ray actor answers besides its learner's calls."""
 
-    def probe(self, path: str, nonce: str) -> dict[str, Any]:
-        return probe(path, nonce)
+    def probe(self, path: str, nonce: str, extra: Sequence[str] = ()) -> dict[str, Any]:
+        return probe(path, nonce, extra)
 
     def alive(self) -> bool:
         return True
@@ -310,14 +310,15 @@ def first_line(exc: BaseException) -> str:
     return next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
 
 
-def probe(path: str, nonce: str) -> dict[str, Any]:
+def probe(path: str, nonce: str, extra: Sequence[str] = ()) -> dict[str, Any]:
     """A remote rank's report to the driver (its actor's `probe`): node, IP, the accelerator
-    ids Ray gave it, its place in the environment, whether it reads the driver's nonce."""
+    ids Ray gave it, its place in the environment (and the `extra` variables:
+    `cluster.learner_env`'s), whether it reads the driver's nonce."""
     import ray
 
     ctx = ray.get_runtime_context()
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "CUDA_VISIBLE_DEVICES")  # fmt: skip
+            "CUDA_VISIBLE_DEVICES", *extra)  # fmt: skip
     return {"node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
             "accelerators": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
             "env": {k: os.environ[k] for k in keys if k in os.environ},
