@@ -197,3 +197,55 @@ def test_a_driver_node_without_a_free_gpu_is_refused_with_the_way_to_run(gpu_nod
     line = str(e.value)
     assert "\n" not in line and "has no free GPU" in line
     assert "ray job submit --entrypoint-num-gpus 1 -- asyncrl run CFG" in line
+
+
+def test_a_run_places_its_learner_on_both_nodes_before_the_engines(
+    tiny_model, tmp_path, gpu_nodes, emulated_gpus
+):
+    """`asyncrl run` with `cluster.address`, fsdp2_train on 3 ranks: the run reserves the
+    ranks' GPUs (2 on the driver's node, 1 on the other) before its engines are placed, and
+    trains through them; `cluster.learner_env` reaches every rank."""
+    import json
+
+    from asyncrl.engine.placement import PlacedLauncher
+    from asyncrl.learner.placement import RankPlacement
+    from asyncrl.run import run
+    from tests.test_multinode import shrunk
+
+    seen: dict[str, list] = {"reserved": [], "ranks": [], "order": []}
+    reserve, wait_ready = RankPlacement.reserve, RankPlacement.wait_ready
+    launch = PlacedLauncher.launch
+
+    def recording_reserve(self, kind, world, group):
+        placed = reserve(self, kind, world, group)
+        seen["reserved"].append([s.node for s in placed.slots])
+        seen["order"].append("learner")
+        return placed
+
+    def recording_launch(self, index, port=None):
+        seen["order"].append("engine")
+        return launch(self, index, port)
+
+    def recording_wait(self, ray, remotes):
+        seen["ranks"] += wait_ready(self, ray, remotes)
+        return seen["ranks"]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(RankPlacement, "reserve", recording_reserve)
+    mp.setattr(RankPlacement, "wait_ready", recording_wait)
+    mp.setattr(PlacedLauncher, "launch", recording_launch)
+    extra = ("actor_train.device_mapping=[0,1,2]", "cluster.learner_env={NCCL_DEBUG: WARN}",
+             "cluster.accelerators_per_node=[2,2]")  # fmt: skip
+    try:
+        summary = run(shrunk(tiny_model, tmp_path, gpu_nodes.address, *extra))
+    finally:
+        mp.undo()
+    head, worker = _node_ids()
+    assert seen["reserved"][0] == [0, 0, 1]
+    assert seen["order"][0] == "learner" and "engine" in seen["order"]  # before the engines
+    assert [r["node"] for r in seen["ranks"]] == [head, worker]
+    assert all(r["env"]["NCCL_DEBUG"] == "WARN" for r in seen["ranks"])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("version") is not None]
+    assert rows[-1]["version"] == 3 and summary["groups_trained"] == 6
+    assert all(r["learner/world_size"] == 3.0 for r in rows)
