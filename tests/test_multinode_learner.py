@@ -4,6 +4,7 @@ each rank actor's accelerator ids and CUDA_VISIBLE_DEVICES as on a GPU node, whi
 compute on the CPU over gloo (`ASYNCRL_RANK_ACCELERATOR=GPU`, the documented emulation of a
 GPU cluster's placement). Nothing else is faked: the planner, the holder of rank 0's device,
 the pinned actors, the sealed rendezvous at the driver node's address and FSDP2 all run.
+A killed rank and a whole run through `asyncrl.run` take minutes on a 2-core box: `slow`.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def test_four_ranks_on_two_nodes_match_one_process(tiny_model, tmp_path, gpu_nod
         resumed.close()
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_step_naming_it_and_its_node(
     tiny_model, tmp_path, gpu_nodes, emulated_gpus
 ):
@@ -199,6 +201,7 @@ def test_a_driver_node_without_a_free_gpu_is_refused_with_the_way_to_run(gpu_nod
     assert "ray job submit --entrypoint-num-gpus 1 -- asyncrl run CFG" in line
 
 
+@pytest.mark.slow
 def test_a_run_places_its_learner_on_both_nodes_before_the_engines(
     tiny_model, tmp_path, gpu_nodes, emulated_gpus
 ):

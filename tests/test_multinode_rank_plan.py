@@ -139,3 +139,16 @@ def test_the_32b_recipe_validates_and_show_prints_its_learner_placement(capsys):
     groups = placement["groups"]
     assert groups["tensor_parallel"] == ["0-3", "4-7", "8-11", "12-15"]
     assert groups["pipeline_parallel"][0] == "0,8" and groups["data_parallel"][0] == "0,4"
+
+
+def test_a_driver_ray_gave_a_gpu_uses_it_for_rank_0(monkeypatch):
+    """Submitted as a Ray job with an entrypoint GPU (Ray sets the job's variable and the
+    visibility), the driver's own GPU is rank 0's: no holder is made."""
+    from asyncrl.learner.placed_ranks import RAY_JOB_ENV, reserve_rank0, torch_index
+
+    monkeypatch.setenv(RAY_JOB_ENV, "{}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert reserve_rank0("GPU") == (5, None)
+    assert torch_index(5, "GPU") == 0  # the driver's only visible device
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3")
+    assert reserve_rank0("NPU") == (2, None) and torch_index(3, "NPU") == 1
