@@ -229,8 +229,8 @@ def test_a_run_places_its_learner_on_both_nodes_before_the_engines(
         seen["order"].append("engine")
         return launch(self, index, port)
 
-    def recording_wait(self, ray, remotes):
-        seen["ranks"] += wait_ready(self, ray, remotes)
+    def recording_wait(self, ray, remotes, shared=True):
+        seen["ranks"] += wait_ready(self, ray, remotes, shared)
         return seen["ranks"]
 
     mp = pytest.MonkeyPatch()

@@ -198,11 +198,15 @@ class RankPlacement:
         private = tempfile.mkdtemp(prefix="asyncrl-rendezvous-")  # mode 0700
         return Rendezvous(f"file://{private}/store", timeout_s=timeout), private
 
-    def wait_ready(self, ray: Any, remotes: Sequence[Any]) -> list[dict[str, Any]]:
+    def wait_ready(
+        self, ray: Any, remotes: Sequence[Any], shared: bool = True
+    ) -> list[dict[str, Any]]:
         """Each remote rank's `probe` (node id, IP, devices Ray gave it, its environment):
-        all started within `READY_TIMEOUT_S`, and multi-node each reads back a nonce the driver
-        wrote under output_dir. Else every rank is removed and RankPlacementError says which."""
-        path, nonce = shared_nonce(self.shared_dir) if self.shared_dir else ("", "")
+        all started within `READY_TIMEOUT_S`, and multi-node (with `shared`: the ranks write
+        to output_dir) each reads back a nonce the driver wrote there. Else every rank is
+        removed and RankPlacementError says which."""
+        check = shared and self.shared_dir
+        path, nonce = shared_nonce(self.shared_dir) if check else ("", "")
         refs = [r.probe.remote(path, nonce, sorted(self.env)) for r in remotes]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=READY_TIMEOUT_S)
         try:

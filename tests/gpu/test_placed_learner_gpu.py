@@ -1,15 +1,13 @@
 """GPU-only check of the multi-node learner placement on one real GPU (`pytest -m gpu
 tests/gpu/test_placed_learner_gpu.py`, under a minute): a local Ray head that owns the GPU,
 `cluster.address` set to it, a learner of world size 1 through the placement code a
-multi-node run uses (`RankPlacement.from_config` → `placed_ranks`: rank 0's GPU held by a
-holder actor, its torch index in the driver from Ray's id): rank 0's device is the id Ray gave
+multi-node run uses (`run.reserve_learner` → `make_learner`: rank 0's GPU held by a holder
+actor, its torch index in the driver from Ray's id): rank 0's device is the id Ray gave
 the holder, and one training step runs there on CUDA. The Megatron learner (when megatron-core
 is installed) takes the same path for its lone rank.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -46,42 +44,42 @@ def _config(address: str, model_dir, out, *extra):
         f"actor_train.model_args.model_name_or_path={model_dir}",
         "actor_train.training_args.learning_rate=1e-3", "actor_train.model_args.dtype=fp32",
         "actor_train.model_args.disable_gradient_checkpointing=true",
-        "cluster.learner_env={NCCL_DEBUG: WARN}", *extra,
+        *extra,
     ])  # fmt: skip
 
 
 @needs_gpu
 def test_rank_0_trains_on_the_gpu_ray_gave_its_holder(gpu_head, tiny_model, tmp_path):
+    """fsdp2_train of world size 1 built as a run builds it (`run.reserve_learner`, then
+    `make_learner` with the placement): its device is the GPU the holder got from Ray."""
+    import contextlib
+
     import ray
 
-    from asyncrl.device import SPECS
-    from asyncrl.learner.placement import RankPlacement
-    from asyncrl.learner.torch.distributed import placed_devices
-    from asyncrl.learner.torch.learner import TorchLearner
+    from asyncrl.learner.base import make_learner
+    from asyncrl.learner.placed_ranks import torch_index
+    from asyncrl.run import reserve_learner
     from tests.test_torch_learner import _groups
 
     cfg = _config(gpu_head.address, tiny_model, tmp_path)
-    placement = RankPlacement.from_config(cfg)
-    placed = placement.placed_ranks("cuda", 1, 1)
-    try:
-        assert placed is not None and placed.holder is not None
+    with contextlib.ExitStack() as stack:
+        placement = reserve_learner(stack, cfg)  # frees the held GPU when the stack closes
+        placed = placement.reserved["ranks"]
+        assert placed.holder is not None and [s.node for s in placed.slots] == [0]
         held = ray.get(placed.holder.ids.remote("GPU"))
         assert held == [placed.rank0_device]
-        device = placed_devices(placed, SPECS["cuda"])[0]
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        want = visible.split(",").index(str(held[0])) if visible else held[0]
-        assert device == f"cuda:{want}"
-        placement.apply_env()
-        assert os.environ["NCCL_DEBUG"] == "WARN"  # cluster.learner_env: rank 0's too
-        learner = TorchLearner(tiny_model, cfg.actor_train, cfg.actor, cfg.algorithm,
-                               temperature=0.7, total_steps=10, device=device)  # fmt: skip
+        learner = make_learner(
+            "fsdp2_train", world_size=1, placement=placement, model_path=tiny_model,
+            train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm, temperature=0.7,
+            total_steps=10,
+        )  # fmt: skip
+        device = f"cuda:{torch_index(held[0], 'GPU')}"
+        assert str(next(learner.model.parameters()).device) == device
         before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
         metrics = learner.step(_groups(seed=0))
-        assert str(next(learner.model.parameters()).device) == device
         assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
         assert any(not torch.equal(p, before[n]) for n, p in learner.model.named_parameters())
-    finally:
-        placed.release()
+    assert "ranks" not in placement.reserved  # released with the run's stack
 
 
 @needs_gpu

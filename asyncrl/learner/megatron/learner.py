@@ -155,7 +155,8 @@ class MegatronLearner:
             remote_cls.options(**o).remote(kwargs, rank, world, meet, dev.kind, resource)
             for rank, o in enumerate(options, start=1)
         ]
-        self.ranks = placement.wait_ready(self._ray, self.remotes)
+        # its checkpoints are written by rank 0 alone: output_dir need not be shared
+        self.ranks = placement.wait_ready(self._ray, self.remotes, shared=False)
         self.watch = RankWatch(self._ray, self.remotes, self.ranks)
         return [r.start.remote() for r in self.remotes]
 
