@@ -1,7 +1,7 @@
 """The real Megatron learner (`MegatronLearner`) placed across the two nodes of a Ray cluster on
 this machine, against the torch learner (one process, fp32) on the same batch.
 
-    python tests/megatron_multinode.py MODEL_DIR OUT_JSON TP PP WORLD
+    python tests/megatron_multinode.py MODEL_DIR OUT_JSON TP PP WORLD [kill]
 
 Each node declares 2 GPUs (`ray.cluster_utils.Cluster`); with `ASYNCRL_RANK_ACCELERATOR=GPU`
 the learner places its ranks exactly as on a GPU cluster (the node plan, rank 0's GPU held for
@@ -9,6 +9,8 @@ the driver, each remote rank holding one Ray GPU and told its LOCAL_RANK), while
 computes on the CPU through Megatron's CUDA-call redirect (`tests/megatron_emulation.py`),
 applied in each Ray worker by the job's `worker_process_setup_hook` and in this driver.
 Writes each remote rank's report (node, GPU ids, environment), the plan and the differences.
+With `kill`, the last rank's process is then killed -9 and the next step's failure recorded
+(`lost`: its one line, `lost_within_s`: whether it came within the collective timeout).
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ def _reference(model_dir: Path, batch: list) -> tuple[dict, dict, torch.Tensor, 
     return metrics, dict(ref.weights_for_sync()), want, data["response_mask"].bool()
 
 
+def _killed_step(learner, batch: list) -> str:
+    """Kill the last rank's process, then step: the failure's line (waited with a deadline)."""
+    import signal
+    import threading
+
+    os.kill(learner.ranks[-1]["pid"], signal.SIGKILL)
+    done, failure = threading.Event(), []
+
+    def step() -> None:
+        try:
+            learner.step(batch)
+        except Exception as e:  # what the run would see
+            failure.append(f"{type(e).__name__}: {e}")
+        done.set()
+
+    threading.Thread(target=step, daemon=True).start()
+    if not done.wait(timeout=240):
+        return "the step did not end"
+    return failure[0] if failure else "the step succeeded"
+
+
 def main() -> None:
     sys.path.insert(0, str(HERE / "gpu"))
     sys.path.insert(0, str(HERE))
@@ -84,7 +107,8 @@ def main() -> None:
     cfg.actor_train.strategy_args.strategy_config.update(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
     )
-    placement = RankPlacement(multinode=True, collective_timeout_s=300.0)
+    kill = sys.argv[6:] == ["kill"]  # then a short collective timeout: the loss is bounded
+    placement = RankPlacement(multinode=True, collective_timeout_s=30.0 if kill else 300.0)
     learner = MegatronLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
                               device=SPECS["cpu"], placement=placement)  # fmt: skip
     try:
@@ -105,6 +129,8 @@ def main() -> None:
                                    for n, t in weights.items()),
             "world_size": metrics["learner/world_size"],
         }  # fmt: skip
+        if kill:
+            result["lost"] = _killed_step(learner, batch)
     finally:
         learner.close()
     out.write_text(json.dumps(result))

@@ -48,3 +48,19 @@ def test_megatron_ranks_on_two_nodes_match_the_torch_learner(tmp_path, tiny_mode
     for key, (want, got) in result["metrics"].items():
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
     assert result["weight_max_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_a_killed_megatron_rank_ends_the_step_naming_it_and_its_node(tmp_path, tiny_model):
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(HERE / "megatron_multinode.py"), str(tiny_model), str(out),
+           "2", "1", "4", "kill"]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    rank3 = result["ranks"][-1]
+    where = f"rank 3 on node {rank3['node'][:12]} ({rank3['ip']})"
+    assert result["lost"].startswith("LostRankError: learner " + where + " ended:"), result["lost"]
+    assert "\n" not in result["lost"]
