@@ -1,7 +1,9 @@
 """The Megatron learner placed across two Ray nodes (2 declared GPUs each, ranks computing on
 the CPU through the emulation): TP2 x PP2 and TP2 x DP2 over 4 ranks, 2 per node, each tensor-
-parallel pair on one node, equal to the torch learner (`tests/megatron_multinode.py`). Each
-case starts a Ray cluster and four Megatron ranks (over a minute on a 2-core box): `slow`."""
+parallel pair on one node, equal to the torch learner (`tests/megatron_multinode.py`); and a
+rank killed -9 ends the next step within the collective timeout (Megatron's groups included),
+in one line naming it and its node. Each case starts a Ray cluster and four Megatron ranks
+(minutes on a 2-core box): `slow`."""
 
 from __future__ import annotations
 

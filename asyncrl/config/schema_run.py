@@ -91,8 +91,9 @@ class ClusterConfig:
     asyncrl sets per rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, the device visibility) are refused."""
     collective_timeout_s: float = 1800.0
-    """Timeout (seconds) of the learner ranks' process groups: a collective that waits longer
-    on a rank (lost, hung) fails, so a run whose rank is gone ends in bounded time. It also
+    """Timeout (seconds) of the learner ranks' process groups (Megatron's parallel groups: in
+    whole minutes, rounded up): a collective that waits longer on a rank (lost, hung) fails,
+    so a run whose rank is gone ends in bounded time, in one line naming the rank. It also
     bounds the longest pause of one rank inside a collective (rank 0 exporting weights to the
     engines or writing a checkpoint while the others wait in the next gather)."""
     accelerators_per_node: list[int] = field(default_factory=list)
