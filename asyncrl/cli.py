@@ -35,6 +35,8 @@ USER_ERRORS = (
     ("asyncrl.learner.megatron.args", "MegatronConfigError"),
     ("asyncrl.learner.reference", "ReferenceConfigError"),
     ("asyncrl.rollout.settings", "PermanentRolloutError"),
+    ("asyncrl.learner.placed_ranks", "RankPlacementError"),
+    ("asyncrl.learner.placement", "LostRankError"),
 )
 MODEL_KEY = "actor_train.model_args.model_name_or_path"
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -64,6 +66,17 @@ def cmd_config(args: argparse.Namespace) -> int:
         print("\n# derived plan")
         plan_dict = {k: v for k, v in dataclasses.asdict(plan).items() if k != "warnings"}
         print(yaml.safe_dump({"plan": plan_dict}, sort_keys=False).rstrip())
+        from asyncrl.config.rank_plan import learner_placement
+
+        placement = learner_placement(cfg)
+        if placement is not None:  # the ranks' nodes, planned on cluster.accelerators_per_node
+            print("\n# learner placement (rank -> node slot and device; at run time the "
+                  "cluster's free counts place them, checked against this)")  # fmt: skip
+            print(
+                yaml.safe_dump(
+                    {"learner_placement": placement}, sort_keys=False, width=200
+                ).rstrip()
+            )
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return 0

@@ -67,19 +67,12 @@ def missing_pieces(cfg: Any, device_kind: str) -> list[str]:
 
 
 def _fsdp2_pieces(cfg: Any, device_kind: str) -> list[str]:
-    """What an fsdp2_train learner over several ranks cannot do on this machine: accelerator
-    ranks across nodes (multi-node ranks are placed on CPU bundles), and CPU offload where the
-    ranks compute on the CPU (everything is in host memory already)."""
+    """What an fsdp2_train learner over several ranks cannot do on this machine: CPU offload
+    where the ranks compute on the CPU (everything is in host memory already). Accelerator
+    ranks across nodes are placed by `asyncrl/learner/placement.py`."""
     train, missing = cfg.actor_train, []
-    ranks = len(train.device_mapping)
-    if train.strategy_args.strategy_name != "fsdp2_train" or ranks < 2:
+    if train.strategy_args.strategy_name != "fsdp2_train" or len(train.device_mapping) < 2:
         return missing
-    if device_kind != "cpu" and cfg.cluster.address.strip():
-        missing.append(
-            f"actor_train.device_mapping: fsdp2_train over {ranks} {device_kind} devices runs "
-            "on the driver's node only (its ranks pin the node's devices); remove "
-            "cluster.address or give it one device"
-        )
     sc = train.strategy_args.strategy_config
     if device_kind == "cpu" and (sc.get("offload_params") or sc.get("offload_optimizer")):
         missing.append(

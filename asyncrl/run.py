@@ -66,10 +66,11 @@ def train(
     # its weights and, with several ranks, its process groups, which its close destroys.
     with ExitStack() as stack:
         last = stack.enter_context(ExitStack())  # the learner's, built after the engines start
+        placement = reserve_learner(stack, cfg)  # multi-node accelerator ranks: before engines
         engines = launch_engines(stack, cfg, model_dir, budget)  # they load as the learner does
         prompts = PromptSource(cfg, model_dir)
         workers = WorkerStart(stack, cfg, model_dir, engines, prompts.tokenizer)  # likewise
-        learner = last.enter_context(closing(build_learner(cfg, model_dir)))
+        learner = last.enter_context(closing(build_learner(cfg, model_dir, placement)))
         queue = make_queue(cfg)
         step = resume(found, ckpt, cfg, learner, queue, prompts)
         logger = stack.enter_context(MetricsLogger(
@@ -156,8 +157,9 @@ def land(rows: DeferredRows, evaluator: Evaluator, drain: bool = False) -> None:
     rows.flush(evaluator.in_flight_steps())
 
 
-def build_learner(cfg: Config, model_dir: Path) -> Learner:
-    """The run's learner (`actor_train.strategy_args.strategy_name`), before any resume."""
+def build_learner(cfg: Config, model_dir: Path, placement: RankPlacement | None = None) -> Learner:
+    """The run's learner (`actor_train.strategy_args.strategy_name`), before any resume;
+    `placement`: where its ranks run (default: `rank_placement(cfg)`)."""
     plan = derive_plan(cfg)  # the schedules' lengths: the optimizer steps the learner takes
     critic = {}
     if cfg.critic is not None:  # it trains every rollout, the warm-up ones too
@@ -167,7 +169,8 @@ def build_learner(cfg: Config, model_dir: Path) -> Learner:
         model_path=model_dir, train=cfg.actor_train, actor=cfg.actor, algorithm=cfg.algorithm,
         temperature=cfg.actor_infer.generating_args.temperature,
         total_steps=plan.actor_optimizer_steps, seed=cfg.seed,
-        reference=cfg.reference, critic=cfg.critic, placement=rank_placement(cfg), **critic,
+        reference=cfg.reference, critic=cfg.critic,
+        placement=placement or rank_placement(cfg), **critic,
     )  # fmt: skip
 
 
@@ -254,12 +257,28 @@ def startup_metrics(started: float, budget: ThreadBudget) -> dict[str, float]:
     }
 
 
+def reserve_learner(stack: ExitStack, cfg: Config) -> RankPlacement:
+    """The learner's placement. Multi-node on accelerators, its ranks are planned and their
+    devices held now, before the engines are placed (a driver's node without a free device is
+    refused here, before anything starts); the learner takes them over, else the stack frees
+    them."""
+    placement = rank_placement(cfg)
+    if placement.multinode:
+        from asyncrl.config.rank_plan import node_group_size
+        from asyncrl.device import detect_device
+
+        sa = cfg.actor_train.strategy_args
+        stack.callback(placement.release_reserved)
+        placement.reserve(detect_device().kind, derive_plan(cfg).world_size,
+                          node_group_size(sa.strategy_name, sa.strategy_config))  # fmt: skip
+    return placement
+
+
 def rank_placement(cfg: Config) -> RankPlacement:
     """Where a multi-rank learner's other ranks run. Multi-node, the run joins its cluster
     first (before the learner's ranks or the engines start: one Ray per process)."""
-    if not cfg.cluster.address.strip():
-        return RankPlacement()
-    from asyncrl.net import init_ray
+    if cfg.cluster.address.strip():
+        from asyncrl.net import init_ray
 
-    init_ray(cfg.cluster.address.strip())
-    return RankPlacement(multinode=True, bundle=dict(cfg.cluster.learner_bundle))
+        init_ray(cfg.cluster.address.strip())
+    return RankPlacement.from_config(cfg)

@@ -176,15 +176,6 @@ def test_advertised_host_is_rays_node_ip(monkeypatch):
             ["cluster.address=auto", "cluster.bind_host=0.0.0.0"],
             "rollout.transport_host '127.0.0.1' is loopback",
         ),
-        (
-            [
-                *MULTINODE,
-                "cluster.address=auto",
-                "actor_train.device_mapping=[0,1]",
-                "actor_train.strategy_args.strategy_name=megatron_train",
-            ],
-            "megatron_train on 2 devices is not placed across nodes yet",
-        ),  # fmt: skip
         (["cluster.engine_bundle={GPU: 1}"], "cluster.engine_bundle.GPU is set by asyncrl"),
         (["cluster.engine_bundle={node_b: 0}"], "cluster.engine_bundle.node_b must be"),
         (["cluster.learner_bundle={CPU: 1}"], "cluster.learner_bundle.CPU is set by asyncrl"),

@@ -5,6 +5,7 @@ ConfigError line naming the key: a multi-node run whose parts would bind or adve
 from __future__ import annotations
 
 import math
+import re
 
 from asyncrl.config.schema import Config, ConfigError
 from asyncrl.net import is_loopback
@@ -13,6 +14,10 @@ from asyncrl.net import is_loopback
 WILDCARDS = ("0.0.0.0", "::", "[::]")
 #: Resources asyncrl sets itself in an engine's bundle.
 OWN_RESOURCES = ("CPU", "GPU")
+#: Environment variables asyncrl sets per learner rank (cluster.learner_env may not).
+OWN_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")  # fmt: skip
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def check_cluster(cfg: Config) -> None:
@@ -22,6 +27,18 @@ def check_cluster(cfg: Config) -> None:
         raise ConfigError("cluster.bind_host must name an address, got an empty string")
     for name in ("engine_bundle", "learner_bundle"):
         _check_bundle(name, getattr(cl, name))
+    _check_learner_env(cl.learner_env)
+    t = cl.collective_timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 1:
+        raise ConfigError(
+            f"cluster.collective_timeout_s must be a number of seconds >= 1, got {t!r}"
+        )
+    if any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in cl.accelerators_per_node
+    ):
+        raise ConfigError(
+            f"cluster.accelerators_per_node must list ints >= 0, got {cl.accelerators_per_node!r}"
+        )
     host = cfg.actor_infer.strategy_args.strategy_config.get("host")
     if host is not None and str(host) != cl.bind_host and cl.bind_host != "127.0.0.1":
         raise ConfigError(
@@ -39,6 +56,7 @@ def check_cluster(cfg: Config) -> None:
     # Read only where engines and ranks are placed: a value the run would ignore is refused.
     placed = [k for k in ("engine_bundle", "learner_bundle") if getattr(cl, k)]
     placed += ["placement_strategy"] if cl.placement_strategy != "SPREAD" else []
+    placed += ["accelerators_per_node"] if cl.accelerators_per_node else []
     if placed:
         raise ConfigError(
             f"cluster.{placed[0]} places parts of the run on a Ray cluster: set cluster.address "
@@ -57,6 +75,25 @@ def _check_bundle(name: str, bundle: dict) -> None:
             raise ConfigError(f"cluster.{name}.{key} must be a number > 0, got {amount!r}")
 
 
+def _check_learner_env(env: dict) -> None:
+    for key, value in env.items():
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+            raise ConfigError(
+                f"cluster.learner_env key {key!r} is not an environment variable name"
+            )
+        if key in OWN_RANK_ENV:
+            raise ConfigError(
+                f"cluster.learner_env.{key} is set by asyncrl for each rank (its placement): "
+                "remove it"
+            )
+        if (
+            not isinstance(value, str | int | float)
+            or isinstance(value, bool)
+            or "\0" in str(value)
+        ):
+            raise ConfigError(f"cluster.learner_env.{key} must be a string, got {value!r}")
+
+
 def _check_multinode(cfg: Config) -> None:
     cl, what = cfg.cluster, f"cluster.address={cfg.cluster.address!r} (multi-node)"
     if cl.bind_host not in WILDCARDS:
@@ -69,15 +106,25 @@ def _check_multinode(cfg: Config) -> None:
             f"{what}: rollout.transport_host {cfg.rollout.transport_host!r} is loopback, "
             "rollout workers on other nodes cannot reach it: set 0.0.0.0 or this node's address"
         )
-    n = len(cfg.actor_train.device_mapping)
-    if n > 1 and cfg.actor_train.strategy_args.strategy_name != "fsdp2_train":
-        raise ConfigError(
-            f"{what}: {cfg.actor_train.strategy_args.strategy_name} on {n} devices is not "
-            "placed across nodes yet (its ranks take the driver node's devices): use one "
-            "device, or fsdp2_train"
-        )
+    _check_learner_plan(cfg, what)
     if cfg.actor_infer.strategy_args.strategy_config.get("server_urls"):
         raise ConfigError(
             f"{what}: actor_infer.strategy_args.strategy_config.server_urls attaches running "
             "servers, which are not placed: remove cluster.address or server_urls"
         )
+
+
+def _check_learner_plan(cfg: Config, what: str) -> None:
+    """`cluster.accelerators_per_node`, when given, must place the learner's ranks (the plan
+    `config show` prints; `asyncrl.config.rank_plan.py`)."""
+    from asyncrl.config.rank_plan import RankPlanError, node_group_size, plan_ranks
+
+    cl, train = cfg.cluster, cfg.actor_train
+    if not cl.accelerators_per_node:
+        return
+    sa = train.strategy_args
+    try:
+        plan_ranks(len(train.device_mapping), node_group_size(sa.strategy_name, sa.strategy_config),
+                   cl.accelerators_per_node)  # fmt: skip
+    except RankPlanError as e:
+        raise ConfigError(f"{what}: cluster.accelerators_per_node: {e}") from None

@@ -79,9 +79,29 @@ class ClusterConfig:
     """Extra Ray resources of each engine's bundle (e.g. {"node_b": 1} to pin engines to nodes
     started with that custom resource); besides GPU = tp size on GPU clusters, else CPU 1."""
     learner_bundle: dict[str, float] = field(default_factory=dict)
-    """Multi-node, a learner on several devices (fsdp2_train's gloo ranks): extra Ray resources
-    of each of ranks 1..W-1's bundles (CPU 1 each, placed PACK; rank 0 is the driver), e.g.
-    {"node_b": 1}. The ranks meet rank 0 at the driver node's address."""
+    """Multi-node, a learner of several CPU ranks (fsdp2_train's gloo ranks): extra Ray
+    resources of each of ranks 1..W-1's bundles (CPU 1 each, placed PACK; rank 0 is the
+    driver), e.g. {"node_b": 1}. The ranks meet rank 0 at the driver node's address. Ranks on
+    accelerators are placed by the node plan instead (`asyncrl/learner/placement.py`); there it
+    is refused."""
+    learner_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of every learner rank: each rank actor's Ray runtime_env and the
+    driver process (rank 0), set before any process group starts, e.g. the interconnect's
+    {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5"} or HCCL_* on Ascend. The variables
+    asyncrl sets per rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, the device visibility) are refused."""
+    collective_timeout_s: float = 1800.0
+    """Timeout (seconds) of the learner ranks' process groups (Megatron's parallel groups: in
+    whole minutes, rounded up): a collective that waits longer on a rank (lost, hung) fails,
+    so a run whose rank is gone ends in bounded time, in one line naming the rank. It also
+    bounds the longest pause of one rank inside a collective (rank 0 exporting weights to the
+    engines or writing a checkpoint while the others wait in the next gather)."""
+    accelerators_per_node: list[int] = field(default_factory=list)
+    """Multi-node, a learner on accelerators: free GPUs/NPUs of each node for the learner, the
+    driver's node first (rank 0's device counted there), e.g. [8, 8, 8, 8]. `config show`
+    plans the ranks' placement on it; at run time the cluster's own counts place them, and the
+    run stops when those place the ranks otherwise (one line naming both). Empty: not checked
+    (`config show` then prints no placement)."""
 
 
 @dataclass

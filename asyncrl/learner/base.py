@@ -60,8 +60,16 @@ def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
         from asyncrl.device import detect_device, worker_device
         from asyncrl.learner.torch.learner import TorchLearner
 
-        # On a GPU/NPU machine the learner trains on its device_mapping's first device.
+        # On a GPU/NPU machine the learner trains on its device_mapping's first device; in a
+        # multi-node run on the one Ray holds for it (until the run ends: `reserve`).
         kind = detect_device().kind
+        placed = placement.reserve(kind, 1, 1) if placement is not None else None
+        if placed is not None and kind != "cpu":
+            from asyncrl.learner.placed_ranks import torch_index
+
+            kwargs.setdefault(
+                "device", f"{kind}:{torch_index(placed.rank0_device, placed.resource)}"
+            )
         kwargs.setdefault("device", worker_device(list(kwargs["train"].device_mapping), kind))
         return TorchLearner(**kwargs)
     if name == "megatron_train":
@@ -69,5 +77,5 @@ def make_learner(name: str, world_size: int = 1, **kwargs: Any) -> Learner:
 
         if kwargs.pop("critic", None) is not None:  # the config rules refuse it first
             raise ValueError("a critic with megatron_train is not available (use fsdp2_train)")
-        return MegatronLearner(**kwargs)
+        return MegatronLearner(**kwargs, placement=placement)
     raise ValueError(f"unknown learner strategy {name!r}; valid: fsdp2_train, megatron_train")

@@ -63,12 +63,16 @@ def init_distributed(device: DeviceSpec, rank: int, world: int, meet: Rendezvous
         raise ValueError(f"rank {rank} of {world}: a multi-rank learner needs a rendezvous")
 
 
-def init_parallel(plan: MegatronPlan, seed: int) -> None:
+def init_parallel(plan: MegatronPlan, seed: int, timeout_s: float | None = None) -> None:
+    """Megatron's parallel groups; `timeout_s` (`cluster.collective_timeout_s`, whole
+    minutes for Megatron, at least 1) bounds their collectives as the default group's."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     check_version()  # one line on a megatron-core no test has run, before any group is made
-    par = plan.parallel
+    par = dict(plan.parallel)
+    if timeout_s is not None:
+        par["distributed_timeout_minutes"] = max(1, -(-int(timeout_s) // 60))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(**par)

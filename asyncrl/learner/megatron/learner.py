@@ -2,12 +2,14 @@
 
 Rank 0 runs in the driver process, so weight sync (`weights_for_sync` streams full HF tensors
 straight from its device into the NCCL/HCCL broadcast) and checkpoints stay where the loop is.
-With `len(actor_train.device_mapping)` > 1, ranks 1..W-1 are Ray actors, each pinned to its
-device id (the visibility variable, with Ray told not to override it). Every call is mirrored
-on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts of an
-export while rank 0 yields. One node: the ranks are pinned to the driver's and meet in a file
-store in a private (0700) directory, never on a port another local process could join
-(multi-node placement of Megatron ranks is refused at validation).
+With `len(actor_train.device_mapping)` > 1, ranks 1..W-1 are Ray actors. Every call is
+mirrored on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts
+of an export while rank 0 yields. One node: the ranks are pinned to the driver's, each to its
+device id (the visibility variable, with Ray told not to override it), and meet in a file
+store in a private (0700) directory, never on a port another local process could join.
+Multi-node (`cluster.address`): placed by the node plan, whole tensor-parallel (x expert
+parallel) groups per node, each rank on the accelerator Ray gave it, rank 0's held for the
+driver (`asyncrl/learner/placement.py`).
 
 The reference policy for the KL loss (`actor.use_kl_loss`) is a frozen model with the actor's
 parallel layout and dtype: the `reference:` section's model (same architecture and vocabulary
@@ -23,22 +25,33 @@ from typing import Any
 
 import torch
 
+from asyncrl.config.rank_plan import node_group_size
 from asyncrl.device import DeviceSpec, detect_device, device_spec, prepare_megatron_imports
 from asyncrl.learner.megatron.build import bridge_class
 from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.worker import MegatronWorker, require_megatron
-from asyncrl.learner.placement import RankPlacement, Rendezvous
+from asyncrl.learner.placed_ranks import PlacedRanks, accelerator_ids, torch_index
+from asyncrl.learner.placement import RankActor, RankPlacement, RankWatch, Rendezvous
 
 __all__ = ["MegatronLearner", "require_megatron"]
 
 
-class _RemoteRank:
-    """Ray actor body: one Megatron rank that mirrors rank 0's calls."""
+class _RemoteRank(RankActor):
+    """Ray actor body: one Megatron rank that, once `start`ed, mirrors rank 0's calls."""
 
-    def __init__(self, kwargs: dict, rank: int, world: int, meet: Rendezvous, kind: str) -> None:
-        self.rank = rank
-        self.worker = MegatronWorker(**kwargs, rank=rank, world_size=world,
-                                     init_method=meet, device=device_spec(kind))  # fmt: skip
+    def __init__(self, kwargs: dict, rank: int, world: int, meet: Rendezvous, kind: str,
+                 resource: str | None = None) -> None:  # fmt: skip
+        """`resource`: placed across nodes, the Ray resource whose device this rank takes
+        (None: the one its visibility variable leaves, index 0)."""
+        self.rank, self.args = rank, (kwargs, world, meet, kind, resource)
+
+    def start(self) -> None:
+        kwargs, world, meet, kind, resource = self.args
+        local = 0
+        if resource is not None and kind != "cpu":
+            local = torch_index(accelerator_ids(resource)[0], resource)
+        self.worker = MegatronWorker(**kwargs, rank=self.rank, world_size=world, init_method=meet,
+                                     device=device_spec(kind), local_device=local)  # fmt: skip
 
     def step(self, groups: list) -> dict[str, float]:
         return self.worker.step(groups)
@@ -64,9 +77,11 @@ class MegatronLearner:
     """`Learner` over Megatron-core; same constructor arguments as `TorchLearner`."""
 
     def __init__(self, model_path: str | Path, train: Any, actor: Any, algorithm: Any,
-                 temperature: float, total_steps: int, seed: int = 0,
-                 reference: Any = None, device: DeviceSpec | None = None) -> None:  # fmt: skip
-        """`reference`: the `reference:` section (a WorkerConfig), None: the initial actor."""
+                 temperature: float, total_steps: int, seed: int = 0, reference: Any = None,
+                 device: DeviceSpec | None = None,
+                 placement: RankPlacement | None = None) -> None:  # fmt: skip
+        """`reference`: the `reference:` section (a WorkerConfig), None: the initial actor.
+        `placement`: where ranks 1..W-1 run (default: this node)."""
         device = device or detect_device()
         prepare_megatron_imports(device)  # MindSpeed before Megatron, on Ascend
         require_megatron()
@@ -78,38 +93,72 @@ class MegatronLearner:
                       temperature=temperature, total_steps=total_steps, seed=seed,
                       reference=reference)  # fmt: skip
         self.model_path, self.remotes, self._ray = Path(model_path), [], None
-        # Rank 0 is this process, on device mapping[0] (build.init_distributed selects it on
-        # this thread; the sync's threads select it from here, see Learner.sync_device).
-        self.sync_device = device.torch_device(mapping[0])
+        placement = placement or RankPlacement()
+        # multi-node on accelerators (a lone rank too: its device): the node plan, reserved
+        # before the engines or made now
+        sa = train.strategy_args
+        group = node_group_size(sa.strategy_name, sa.strategy_config)
+        if placement.multinode:
+            self._ray = self._init_ray()
+        self._placed: PlacedRanks | None = placement.placed_ranks(device.kind, len(mapping), group)
+        # Rank 0 is this process, on device mapping[0] (placed: the one held for it);
+        # build.init_distributed selects it on this thread, the sync's threads from here.
+        local = mapping[0]
+        if self._placed is not None and device.kind != "cpu":
+            local = torch_index(self._placed.rank0_device, self._placed.resource)
+        self.sync_device = device.torch_device(local)
         # One host: the ranks meet in a file store in a private directory (no port a local
         # process could join); a lone rank keeps its store in memory (build.init_distributed).
-        meet, self._private = RankPlacement().rendezvous() if len(mapping) > 1 else (None, None)
+        meet, self._private = placement.rendezvous() if len(mapping) > 1 else (None, None)
         try:
-            if meet is not None:
-                self._start_remotes(kwargs, mapping, meet, device)
-            self.local = MegatronWorker(**kwargs, rank=0, world_size=len(mapping),
-                                        init_method=meet, device=device,
-                                        local_device=mapping[0])  # fmt: skip
+            placement.apply_env()
+            started = self._start_remotes(kwargs, mapping, meet, device, placement)
+            with self.watch:
+                self.local = MegatronWorker(**kwargs, rank=0, world_size=len(mapping),
+                                            init_method=meet, device=device,
+                                            local_device=local)  # fmt: skip
+                if started:
+                    self._ray.get(started)
         except BaseException:
             self.close()
             raise
 
-    def _start_remotes(
-        self, kwargs: dict, mapping: list[int], meet: Rendezvous, dev: DeviceSpec
-    ) -> None:
+    @staticmethod
+    def _init_ray() -> Any:
         import ray
 
         from asyncrl.net import init_ray
 
-        init_ray()
-        self._ray = ray
-        remote_cls = ray.remote(num_cpus=0)(_RemoteRank)
-        # On the driver's node: the ranks take its devices (device_mapping).
-        here = RankPlacement().actor_options(len(mapping) - 1)
-        for rank in range(1, len(mapping)):
-            env = dev.pinned_env(mapping[rank])
-            actor = remote_cls.options(runtime_env={"env_vars": env}, **here[rank - 1])
-            self.remotes.append(actor.remote(kwargs, rank, len(mapping), meet, dev.kind))
+        init_ray()  # no-op when the run already joined its cluster
+        return ray
+
+    def _start_remotes(self, kwargs: dict, mapping: list[int], meet: Rendezvous | None,
+                       dev: DeviceSpec, placement: RankPlacement) -> list:  # fmt: skip
+        """Ranks 1..W-1 as Ray actors, waited until placed (each `probe`d), then started
+        (`start` joins the group); returns the starts to wait for once rank 0 has joined."""
+        self.watch = RankWatch(self._ray, [], [])
+        if meet is None:
+            return []
+        self._ray = self._ray or self._init_ray()
+        remote_cls = self._ray.remote(num_cpus=0)(_RemoteRank)
+        world, placed = len(mapping), self._placed
+        if placed is not None:
+            options = [{**o, **placement.rank_env(placed.rank_env(r, meet.host, meet.port))}
+                       for r, o in enumerate(placed.options, start=1)]  # fmt: skip
+        else:  # one host: on the driver's node, pinned to device_mapping's ids
+            options = [{**o, **placement.rank_env(dev.pinned_env(mapping[r]))}
+                       for r, o in enumerate(placement.actor_options(world - 1), start=1)]  # fmt: skip
+        resource = placed.resource if placed is not None else None
+        if placed is not None:
+            placed.hand_over()  # the devices held for ranks 1..W-1, to their actors
+        self.remotes = [
+            remote_cls.options(**o).remote(kwargs, rank, world, meet, dev.kind, resource)
+            for rank, o in enumerate(options, start=1)
+        ]
+        # its checkpoints are written by rank 0 alone: output_dir need not be shared
+        self.ranks = placement.wait_ready(self._ray, self.remotes, shared=False)
+        self.watch = RankWatch(self._ray, self.remotes, self.ranks)
+        return [r.start.remote() for r in self.remotes]
 
     @property
     def version(self) -> int:
@@ -127,8 +176,10 @@ class MegatronLearner:
 
     def step(self, groups: list) -> dict[str, float]:
         pending = self._mirror("step", groups)
-        metrics = self.local.step(groups)
-        for other in self._ray.get(pending) if pending else []:
+        with self.watch:  # a rank that is gone: one line naming it and its node
+            metrics = self.local.step(groups)
+            others = self._ray.get(pending) if pending else []
+        for other in others:
             metrics = metrics or other  # the last pipeline stage reports
         metrics["learner/world_size"] = float(len(self.remotes) + 1)
         return metrics
@@ -194,4 +245,6 @@ class MegatronLearner:
             self._ray.kill(remote, no_restart=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        RankPlacement.cleanup(self._private)
+        if getattr(self, "_placed", None) is not None:
+            self._placed.release()  # rank 0's device, held for this learner
+        RankPlacement.cleanup(getattr(self, "_private", None))

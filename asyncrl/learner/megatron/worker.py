@@ -107,7 +107,7 @@ class MegatronWorker:
             self.shape = ModelShape.from_hf_config(hf).padded_to(tp)
         rows = self.shape.vocab_rows if self.shape else 0
         self.plan = plan(train, actor.optim, hf, rows, builtin=self.shape is not None)
-        init_parallel(self.plan, seed)
+        init_parallel(self.plan, seed, getattr(init_method, "timeout_s", None))
         # Sequences per optimizer step by the plan's rule (`asyncrl.config.plan`): the steps
         # taken are those the schedule (`lr_factor`) was sized for.
         self.step_size = step_size(actor, train.training_args, self._ranks()[0])

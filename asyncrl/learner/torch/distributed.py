@@ -1,8 +1,9 @@
 """The torch learner over W processes, sharded with FSDP2 (`asyncrl.learner.torch.fsdp`).
 
 Rank 0 is a `TorchLearner` in the driver process (so weight sync and checkpoints stay where they
-are); ranks 1..W-1 are Ray actors. On the CPU the ranks meet over gloo; on a node's GPUs/NPUs
-each rank computes on its `actor_train.device_mapping` entry (`rank_devices`) and the group
+are); ranks 1..W-1 are Ray actors (`asyncrl/learner/placement.py`). On the CPU the ranks meet
+over gloo; on a node's GPUs/NPUs each rank computes on its `actor_train.device_mapping` entry
+(`rank_devices`), across nodes on the device Ray gave it (`placed_ranks.py`), and the group
 runs NCCL/HCCL for device tensors, gloo for CPU ones. Every `step` hands the whole batch to
 every rank; each trains on its rows (row r on rank r % W) while FSDP2 all-gathers the
 parameters of each layer for its forward/backward and reduce-scatters the gradients, so each
@@ -28,7 +29,8 @@ import torch
 
 from asyncrl.device import DeviceSpec, detect_device, device_spec, select_device
 from asyncrl.learner.objective import check_learner_side
-from asyncrl.learner.placement import RankPlacement, Rendezvous
+from asyncrl.learner.placed_ranks import PlacedRanks, torch_index
+from asyncrl.learner.placement import RankActor, RankPlacement, RankWatch, Rendezvous
 from asyncrl.learner.reference import reference_spec
 from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.learner import TorchLearner
@@ -50,9 +52,24 @@ def rank_devices(
     return first + [(f"{spec.kind}:0", spec.pinned_env(mapping[r])) for r in range(1, world)]
 
 
-def _pinned(env: dict[str, str]) -> dict[str, Any]:
-    """Ray actor options that set an accelerator rank's environment (none on the CPU)."""
-    return {"runtime_env": {"env_vars": env}} if env else {}
+def placed_devices(placed: PlacedRanks, spec: DeviceSpec) -> list[str | None]:
+    """Rank 0's torch device (Ray's device id in this process), then None per remote rank:
+    each takes the device Ray gave it (`ray_device`). On the CPU (an emulated placement)
+    every rank computes on "cpu"."""
+    if spec.kind == "cpu":
+        return ["cpu"] * len(placed.slots)
+    first = f"{spec.kind}:{torch_index(placed.rank0_device, placed.resource)}"
+    return [first] + [None] * (len(placed.slots) - 1)
+
+
+def ray_device(kind: str) -> str:
+    """The torch device of the accelerator Ray gave this actor ("cpu" on the CPU)."""
+    from asyncrl.learner.placed_ranks import accelerator_ids
+
+    resource = device_spec(kind).ray_resource
+    if resource is None:
+        return "cpu"
+    return f"{kind}:{torch_index(accelerator_ids(resource)[0], resource)}"
 
 
 def _join(rank: int, world: int, rendezvous: Rendezvous, spec: DeviceSpec, device: str) -> Any:
@@ -61,13 +78,14 @@ def _join(rank: int, world: int, rendezvous: Rendezvous, spec: DeviceSpec, devic
     made current first: NCCL/HCCL and FSDP2's DeviceMesh start on the current device."""
     select_device(device)
     rendezvous.join(rank, world, spec.group_backend())
-    return torch.distributed.new_group(backend="gloo")
+    return torch.distributed.new_group(backend="gloo", timeout=rendezvous.timeout)
 
 
-class _RemoteRank:
-    """Ray actor body: join the groups, then mirror rank 0's calls on this rank's shards. It runs
-    two calls at once (max_concurrency=2) only so `wait_save` can wait on a background write
-    while the next `step` trains; the driver never overlaps any other two calls."""
+class _RemoteRank(RankActor):
+    """Ray actor body: once `start`ed, join the groups, then mirror rank 0's calls on this
+    rank's shards. It runs two calls at once (max_concurrency=2) only so `wait_save` can wait
+    on a background write while the next `step` trains; the driver never overlaps any other
+    two calls (nor any with `start`, which it waits for)."""
 
     def __init__(
         self,
@@ -76,11 +94,17 @@ class _RemoteRank:
         world: int,
         meet: Rendezvous,
         kind: str,
-        device: str,
+        device: str | None,
     ) -> None:
+        self.args = (kwargs, rank, world, meet, kind, device)
+        self.pending: Future | None = None
+
+    def start(self) -> None:
+        """Join the groups and build this rank's learner (`device` None: Ray's)."""
+        kwargs, rank, world, meet, kind, device = self.args
+        device = device or ray_device(kind)
         self.ckpt_group = _join(rank, world, meet, device_spec(kind), device)
         self.learner = TorchLearner(**kwargs, device=device, rank=rank, world_size=world)
-        self.pending: Future | None = None
 
     def step(self, groups: list[Any]) -> None:
         self.learner.step(groups)
@@ -144,29 +168,50 @@ class DistributedTorchLearner:
             kwargs["actor"].use_kl_loss or alg.use_kl_in_reward,
         )  # fmt: skip
         init_ray()  # no-op when the run already joined its cluster
-        self._ray = ray
+        self._ray, self.remotes, self._placed = ray, [], None
         placement = placement or RankPlacement()
-        meet, self._private = placement.rendezvous()  # kept: later groups use it
         spec = device or detect_device()
-        devices = rank_devices(list(kwargs["train"].device_mapping), spec, world_size)
-        kwargs.pop("device", None)  # each rank's own, from `devices`
+        # multi-node on accelerators: the node plan (reserved before the engines, or now)
+        self._placed = placement.placed_ranks(spec.kind, world_size, 1)
+        meet, self._private = placement.rendezvous()  # kept: later groups use it
+        kwargs.pop("device", None)  # each rank's own
         try:
-            remote_cls = ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
-            options = placement.actor_options(world_size - 1)
-            self.remotes = [
-                remote_cls.options(**opts, **_pinned(env)).remote(
-                    kwargs, rank, world_size, meet, spec.kind, where
-                )
-                for rank, (opts, (where, env)) in enumerate(
-                    zip(options, devices[1:], strict=True), start=1
-                )
-            ]
-            # Rank 0 joins last: init_process_group returns once every rank has arrived.
-            self.ckpt_group = _join(0, world_size, meet, spec, devices[0][0])
-            self.local = TorchLearner(**kwargs, device=devices[0][0], rank=0, world_size=world_size)
+            self._start(kwargs, world_size, placement, spec, meet)
         except BaseException:
             self.close()
             raise
+
+    def _start(
+        self, kwargs: dict[str, Any], world: int, placement: RankPlacement, spec: DeviceSpec,
+        meet: Rendezvous,
+    ) -> None:  # fmt: skip
+        """Start ranks 1..W-1, wait until all are placed, then join rank 0 (the driver)."""
+        remote_cls = self._ray.remote(num_cpus=0, max_concurrency=2)(_RemoteRank)
+        if self._placed is not None:
+            devices = placed_devices(self._placed, spec)
+            options = [{**o, **placement.rank_env(self._placed.rank_env(r, meet.host, meet.port))}
+                       for r, o in enumerate(self._placed.options, start=1)]  # fmt: skip
+        else:
+            pinned = rank_devices(list(kwargs["train"].device_mapping), spec, world)
+            devices = [where for where, _ in pinned]
+            options = [{**o, **placement.rank_env(env)}
+                       for o, (_, env) in zip(placement.actor_options(world - 1), pinned[1:],
+                                              strict=True)]  # fmt: skip
+        if self._placed is not None:
+            self._placed.hand_over()  # the devices held for ranks 1..W-1, to their actors
+        self.remotes = [
+            remote_cls.options(**opts).remote(kwargs, rank, world, meet, spec.kind, devices[rank])
+            for rank, opts in enumerate(options, start=1)
+        ]
+        self.ranks = placement.wait_ready(self._ray, self.remotes)  # each rank's probe
+        self.watch = RankWatch(self._ray, self.remotes, self.ranks)
+        placement.apply_env()
+        started = [r.start.remote() for r in self.remotes]
+        with self.watch:
+            # Rank 0 joins last: init_process_group returns once every rank has arrived.
+            self.ckpt_group = _join(0, world, meet, spec, devices[0])
+            self.local = TorchLearner(**kwargs, device=devices[0], rank=0, world_size=world)
+            self._ray.get(started)
 
     @property
     def version(self) -> int:
@@ -180,8 +225,9 @@ class DistributedTorchLearner:
     def step(self, groups: list[Any]) -> dict[str, float]:
         ref = self._ray.put(groups)
         pending = [r.step.remote(ref) for r in self.remotes]
-        metrics = self.local.step(groups)
-        self._ray.get(pending)  # surfaces a failed rank as an error here
+        with self.watch:  # a rank that is gone: one line naming it and its node
+            metrics = self.local.step(groups)
+            self._ray.get(pending)  # surfaces a failed rank as an error here
         metrics["learner/world_size"] = float(len(self.remotes) + 1)
         return metrics
 
@@ -262,4 +308,6 @@ class DistributedTorchLearner:
             self._ray.kill(remote, no_restart=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        RankPlacement.cleanup(self._private)
+        if getattr(self, "_placed", None) is not None:
+            self._placed.release()  # rank 0's device, held for this learner
+        RankPlacement.cleanup(getattr(self, "_private", None))
