@@ -38,24 +38,6 @@ def tiny_moe(dst: Path) -> Path:
     return dst
 
 
-def fused(named: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
-    """Checkpoint names (one tensor per expert, as on disk and as Megatron exports) ->
-    transformers' in-memory layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
-    out, layers = {}, set()
-    for name, t in named.items():
-        if ".mlp.experts." in name:
-            layers.add(name.split(".mlp.experts.")[0])
-        else:
-            out[name] = t
-    for p in layers:
-        x = [f"{p}.mlp.experts.{e}." for e in range(experts)]
-        out[f"{p}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([named[e + "gate_proj.weight"], named[e + "up_proj.weight"]]) for e in x]
-        )
-        out[f"{p}.mlp.experts.down_proj"] = torch.stack([named[e + "down_proj.weight"] for e in x])
-    return out
-
-
 def routes_for(batch: list, layers: int, k: int, experts: int, seed: int = 7) -> list:
     """The batch with made-up engine routes (what r3 replays): k distinct experts per layer at
     every position, `UNROUTED` at each response's last one (no engine forwarded it)."""
@@ -172,14 +154,14 @@ def main() -> None:
     ranks = run_ranks(world, model_dir, setup, work)
     last = next(r for r in ranks if r["lp"] is not None)
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm")
-    got = fused(ranks[0]["weights"], hf["num_local_experts"])
+    got = ranks[0]["weights"]  # checkpoint names, as the torch learner's
     result = {
         "logprob_max_diff": (last["lp"][mask] - want[mask]).abs().max().item(),
         "metrics": {k: [ref_metrics[k], last["metrics"][k]] for k in keys},
         "names_match": sorted(got) == sorted(after),
         "weight_max_diff": max((t - after[n].float()).abs().max().item() for n, t in got.items()),
         "weight_change": max((after[n].float() - t).abs().max().item()
-                             for n, t in fused(dict(_initial(model_dir)), hf["num_local_experts"]).items()),
+                             for n, t in dict(_initial(model_dir)).items()),
         "roundtrip_exact": ranks[0]["roundtrip"],
         "worst_weights": sorted(((t - after[n].float()).abs().max().item(), n)
                                 for n, t in got.items())[-3:],
