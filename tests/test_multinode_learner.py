@@ -201,6 +201,26 @@ def test_a_driver_node_without_a_free_gpu_is_refused_with_the_way_to_run(gpu_nod
     assert "ray job submit --entrypoint-num-gpus 1 -- asyncrl run CFG" in line
 
 
+def test_a_device_released_just_before_is_taken_again(gpu_nodes, emulated_gpus):
+    """A learner built right after another was closed (a bench, a resumed run in one process):
+    Ray frees the old holder's device asynchronously, and the new rank 0 waits for it rather
+    than refusing the node as GPU-less."""
+    import ray
+
+    from asyncrl.learner.placed_ranks import reserve_rank0
+
+    first, holder_a = reserve_rank0("GPU")
+    second, holder_b = reserve_rank0("GPU")  # the head's two GPUs are now held
+    try:
+        for _ in range(3):
+            ray.kill(holder_b, no_restart=True)
+            again, holder_b = reserve_rank0("GPU")
+            assert again == second and again != first
+    finally:
+        for holder in (holder_a, holder_b):
+            ray.kill(holder, no_restart=True)
+
+
 @pytest.mark.slow
 def test_a_run_places_its_learner_on_both_nodes_before_the_engines(
     tiny_model, tmp_path, gpu_nodes, emulated_gpus

@@ -152,7 +152,7 @@ def reserve_rank0(resource: str) -> tuple[int, Any]:
     here, node = _driver_node(ray)
     if node["Resources"].get(resource, 0) < 1:
         raise _gpuless(resource, "has no")
-    if _available(ray).get(here, {}).get(resource, 0) < 1:
+    if not _freed(ray, here, resource):
         raise _gpuless(resource, "has no free")
     holder = (
         ray.remote(num_cpus=0, **_resource_option(resource))(_Holder)
@@ -165,6 +165,24 @@ def reserve_rank0(resource: str) -> tuple[int, Any]:
         ray.kill(holder, no_restart=True)
         raise _gpuless(resource, f"gave no free (within {READY_TIMEOUT_S:.0f}s)")
     return ray.get(ref)[0], holder
+
+
+#: How long a device Ray shows taken may still be on its way back (an actor killed just
+#: before, e.g. the previous learner's holder: Ray frees its resources asynchronously).
+RELEASE_GRACE_S = 15.0
+
+
+def _freed(ray: Any, node: str, resource: str) -> bool:
+    """Whether `node` has a free `resource`, waiting up to RELEASE_GRACE_S for one."""
+    import threading
+    import time
+
+    deadline, tick = time.monotonic() + RELEASE_GRACE_S, threading.Event()
+    while _available(ray).get(node, {}).get(resource, 0) < 1:
+        if time.monotonic() > deadline:
+            return False
+        tick.wait(0.2)
+    return True
 
 
 def _available(ray: Any) -> dict[str, dict[str, float]]:
