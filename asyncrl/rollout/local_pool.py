@@ -29,15 +29,13 @@ from typing import Any
 
 from asyncrl.data.prompts import PromptItem
 from asyncrl.rollout.settings import (
-    PermanentRolloutError,
     PromptResult,
     RolloutSettings,
     Wakeup,
     given_up,
+    start_failure,
 )
 from asyncrl.rollout.worker import RolloutWorker
-
-#: As the Ray pool's: failures of one worker in a row (no answer between) that end the run.
 
 
 class _Host:
@@ -84,11 +82,10 @@ class LocalWorkerPool:
                 errors.append(f"{type(e).__name__}: {e}")
             else:
                 errors.append("")
-        failed = [(i, err) for i, err in enumerate(errors) if err]
-        if failed:
+        failure = start_failure(errors)
+        if failure is not None:
             self.close()
-            index, error = failed[0]
-            raise PermanentRolloutError(f"rollout worker {index} failed to start: {error}")
+            raise failure
 
     def size(self) -> int:
         return len(self.hosts)

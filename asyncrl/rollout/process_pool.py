@@ -48,6 +48,7 @@ from asyncrl.rollout.settings import (
     RolloutSettings,
     Wakeup,
     given_up,
+    start_failure,
 )
 
 
@@ -202,11 +203,10 @@ class ProcessWorkerPool:
         except BaseException:
             self.close()
             raise
-        failed = [(i, err) for i, err in enumerate(errors) if err]
-        if failed:
+        failure = start_failure(errors)
+        if failure is not None:
             self.close()
-            index, error = failed[0]
-            raise PermanentRolloutError(f"rollout worker {index} failed to start: {error}")
+            raise failure
 
     def size(self) -> int:
         return len(self.children)

@@ -21,15 +21,13 @@ from typing import Any
 from asyncrl.data.prompts import PromptItem
 from asyncrl.net import init_ray
 from asyncrl.rollout.settings import (
-    PermanentRolloutError,
     PromptResult,
     RolloutSettings,
     Wakeup,
     given_up,
+    start_failure,
 )
 from asyncrl.rollout.worker import RolloutWorker
-
-#: Deaths of one worker in a row (no answer in between) after which the run stops.
 
 
 class _RayRolloutWorker:
@@ -108,11 +106,10 @@ class RayWorkerPool:
             errors = self._ray.get([w.started.remote() for w in self.workers])
         except Exception as e:  # the actor process itself died while starting
             errors = [f"{type(e).__name__}: {e}"]
-        failed = [(i, err) for i, err in enumerate(errors) if err]
-        if failed:
+        failure = start_failure(errors)
+        if failure is not None:
             self.close()
-            index, error = failed[0]
-            raise PermanentRolloutError(f"rollout worker {index} failed to start: {error}")
+            raise failure
 
     def _spawn(self, index: int) -> Any:
         # A replacement goes where its predecessor was placed (its engine's node). Without a

@@ -189,3 +189,12 @@ def given_up(actor: int, deaths: int, error: Exception, how: str = "failed") -> 
     return PermanentRolloutError(
         f"rollout worker {actor} {how} {deaths} times in a row; last: {type(error).__name__}: {error}"
     )
+
+
+def start_failure(errors: list[str]) -> PermanentRolloutError | None:
+    """The run-ending error of the first worker that failed to start (`errors`: each worker's
+    start error in worker order, "" for one that started), None when all started."""
+    for index, error in enumerate(errors):
+        if error:
+            return PermanentRolloutError(f"rollout worker {index} failed to start: {error}")
+    return None
