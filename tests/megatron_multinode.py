@@ -27,18 +27,10 @@ HERE = Path(__file__).resolve().parent
 
 def _cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
-    from asyncrl.net import _ray_cluster_mode
+    from tests.ray_nodes import two_node_cluster
 
-    _ray_cluster_mode()  # nodes on the machine's address, not loopback
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 3, "num_gpus": 2, "resources": {"node_a": 1},
-                        "include_dashboard": False},
-    )  # fmt: skip
-    cluster.add_node(num_cpus=3, num_gpus=2, resources={"node_b": 1})
-    cluster.wait_for_nodes()
+    cluster = two_node_cluster(cpus=3, gpus=2)
     hook = {"worker_process_setup_hook": "tests.megatron_emulation.apply"}
     ray.init(address=cluster.address, runtime_env=hook, log_to_driver=True)
     head = next(n["NodeID"] for n in ray.nodes() if "node_a" in n["Resources"])

@@ -34,18 +34,11 @@ MULTINODE = (
 def two_nodes():
     """A head node ({node_a: 1}) and a worker node ({node_b: 1}), 2 CPUs each."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    from asyncrl.net import _ray_cluster_mode
+    from tests.ray_nodes import two_node_cluster
 
     ray.shutdown()  # a local Ray left by another test module
-    _ray_cluster_mode()  # nodes on the machine's address, not loopback
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=2, resources={"node_b": 1})
-    cluster.wait_for_nodes()
+    cluster = two_node_cluster(cpus=2)
     yield cluster
     ray.shutdown()
     cluster.shutdown()

@@ -29,19 +29,12 @@ from tests.test_torch_learner import _groups, _learner
 def gpu_nodes():
     """A head (node_a) and a worker (node_b) node, each with 3 CPUs and 2 declared GPUs."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    from asyncrl.net import _ray_cluster_mode, init_ray
+    from asyncrl.net import init_ray
+    from tests.ray_nodes import two_node_cluster
 
     ray.shutdown()  # a local Ray left by another test module
-    _ray_cluster_mode()  # nodes on the machine's address, not loopback
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 3, "num_gpus": 2, "resources": {"node_a": 1},
-                        "include_dashboard": False},
-    )  # fmt: skip
-    cluster.add_node(num_cpus=3, num_gpus=2, resources={"node_b": 1})
-    cluster.wait_for_nodes()
+    cluster = two_node_cluster(cpus=3, gpus=2)
     init_ray(cluster.address)
     yield cluster
     ray.shutdown()
