@@ -16,6 +16,13 @@ from asyncrl.config.strategy_keys import expert_problem
 MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe"})
 
 
+#: The embedded models' layers and the MoE variant's experts (HF config names), which
+#: `asyncrl.models.tiny.TinyModelSpec` builds by default: what these checks know of the
+#: embedded model before it is built (config sits below models: it reads them from here).
+EMBEDDED_LAYERS = 2
+EMBEDDED_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}
+
+
 def expert_count(hf: Mapping[str, Any]) -> int:
     """Routed experts per MoE layer of an HF config (0: dense). Qwen3-MoE's config.json says
     `num_experts`; transformers 5 saves it as `num_local_experts`."""
@@ -39,14 +46,9 @@ def model_config(cfg: Config) -> dict[str, Any] | None:
     directory's config.json; None where it cannot be read yet (the run says why)."""
     args = cfg.actor_train.model_args
     if not args.model_name_or_path:
-        from asyncrl.models.tiny import embedded_spec
-
-        spec = embedded_spec(arch=args.embedded_arch)
-        if spec.arch == "dense":
-            return {"model_type": "qwen2", "num_hidden_layers": spec.num_layers}
-        return {"model_type": "qwen3_moe", "num_hidden_layers": spec.num_layers,
-                "num_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
-                "moe_intermediate_size": spec.moe_intermediate_size}  # fmt: skip
+        if args.embedded_arch == "dense":
+            return {"model_type": "qwen2", "num_hidden_layers": EMBEDDED_LAYERS}
+        return {"model_type": "qwen3_moe", "num_hidden_layers": EMBEDDED_LAYERS, **EMBEDDED_MOE}
     path = Path(args.model_name_or_path) / "config.json"
     try:
         out = json.loads(path.read_text())

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.moe_checks import EMBEDDED_LAYERS, EMBEDDED_MOE
 from asyncrl.data.synthetic import EMBEDDED_TASK, ArithmeticTask, make_rows
 from asyncrl.logs import StepProgress
 from asyncrl.models import mix as mixes
@@ -63,7 +64,7 @@ class TinyModelSpec:
     task: ArithmeticTask = EMBEDDED_TASK
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_layers: int = 2
+    num_layers: int = EMBEDDED_LAYERS
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 512
@@ -82,9 +83,9 @@ class TinyModelSpec:
     mix_fraction: float = 0.2  # share of warm-start steps that take a batch of mix episodes
     mix_batch_size: int = 16  # episodes per mix batch (each is ~10x an arithmetic example)
     arch: str = "dense"  # "dense": Qwen2; "moe": Qwen3-MoE, experts in every layer
-    num_experts: int = 8  # MoE only: routed experts per layer
-    experts_per_token: int = 2  # MoE only: top-k of the router
-    moe_intermediate_size: int = 128  # MoE only: each expert's MLP width
+    num_experts: int = EMBEDDED_MOE["num_experts"]  # MoE only: routed experts per layer
+    experts_per_token: int = EMBEDDED_MOE["num_experts_per_tok"]  # MoE only: router top-k
+    moe_intermediate_size: int = EMBEDDED_MOE["moe_intermediate_size"]  # MoE: expert width
 
     def digest(self) -> str:
         spec = asdict(self)
