@@ -127,7 +127,7 @@ def _check_engines_return_routes(infer: Any, key: str) -> None:
                               "requests it forwards: set actor_infer.strategy_args."
                               "strategy_config.router: auto or false (r3 reaches the "
                               "engines directly)")  # fmt: skip
-    elif name != "sglang" and name != "hf_infer":
+    elif name not in ("sglang", "hf_infer"):
         raise ConfigError(f"{key}: r3 needs engines that return routed experts (hf_infer or "
                           f"sglang), not {name}")  # fmt: skip
 

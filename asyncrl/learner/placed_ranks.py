@@ -197,18 +197,18 @@ def free_accelerators(resource: str, held: bool) -> tuple[list[str], list[int]]:
     counted there; the other alive nodes that have any, by node id. `held`: a holder of this
     learner's took rank 0's device (its node's count then waits until Ray shows it taken)."""
     import threading
+    import time
 
     import ray
 
     here, node = _driver_node(ray)
     total = int(node["Resources"].get(resource, 0))
-    wait, deadline = threading.Event(), 20.0
+    tick, deadline = threading.Event(), time.monotonic() + 20.0
     free = _available(ray)
     # the free counts come from the nodes' reports: until the holder's device shows taken,
     # the driver's node would be counted one device too many
-    while held and free.get(here, {}).get(resource, 0) >= total and deadline > 0:
-        wait.wait(0.2)
-        deadline -= 0.2
+    while held and free.get(here, {}).get(resource, 0) >= total and time.monotonic() < deadline:
+        tick.wait(0.2)
         free = _available(ray)
     alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
     ids = [here] + [n for n in alive if free.get(n, {}).get(resource, 0) >= 1]
