@@ -6,7 +6,6 @@ writes, the launch flags, and the real sync and client driving fake SGLang proce
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -39,19 +38,9 @@ def _launcher(tmp_path: Path, rank: int = 4, engines: int = 2, **config) -> sl.S
 
 def start_lora_fake(tmp_path: Path, version: str, rank: int = 8):
     """One fake SGLang `version` launched with `--enable-lora` (max rank `rank`, targets all)."""
-    from asyncrl.net import free_port
-    from tests.test_sglang_versions import FAKE
+    from tests.test_sglang_versions import start_fake
 
-    path = os.pathsep.join([FAKE, os.environ.get("PYTHONPATH", "")])
-    env = {"PYTHONPATH": path, "FAKE_SGLANG_VERSION": version, "FAKE_SGLANG_TOKEN_DELAY_S": "0"}
-    settings = sl.with_lora(
-        sl.SGLangSettings.parse({"env": env}), sl.LoraServing(rank, "all-linear")
-    )
-    port = free_port()
-    cmd = sl.server_command(tmp_path, port, 1, settings)
-    url = f"http://127.0.0.1:{port}"
-    handle = sl.start_process(cmd, settings.env, url, tmp_path / f"fake_{port}.log")
-    return sl.wait_healthy(handle, "/health_generate", 90, f"fake sglang {version}")
+    return start_fake(tmp_path, version, 0.0, lora=sl.LoraServing(rank, "all-linear"))
 
 
 def _tensors(rank: int = 4, seed: int = 0) -> list[tuple[str, torch.Tensor]]:

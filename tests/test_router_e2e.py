@@ -38,6 +38,7 @@ from asyncrl.weights.lora_native import NativeLoraSync
 from tests.test_hf_server import make_tiny_model
 from tests.test_lora_native import _tensors, start_lora_fake
 from tests.test_sglang_backend import state
+from tests.test_sglang_versions import start_fake
 
 pytestmark = [
     pytest.mark.timing,
@@ -360,15 +361,8 @@ def test_routed_experts_reach_the_engines_directly_since_the_router_drops_them(t
     `sglang.ROUTES_FLAG`: with the flag, `router: auto` sends rollout workers to the engines
     directly); there, the worker's `meta_info["routed_experts"]` reaches the client whole
     (prompt + output - 1 rows). If a router release starts forwarding the field, this says so."""
-    from tests.test_sglang_versions import FAKE
-
     layers, top_k = 2, 2  # the fake's (fake_server.ROUTED_LAYERS, ROUTED_TOP_K)
-    env = {"PYTHONPATH": FAKE, "FAKE_SGLANG_VERSION": "0.5.23", "FAKE_SGLANG_TOKEN_DELAY_S": "0"}
-    settings = sl.SGLangSettings.parse({"env": env, sl.ROUTES_FLAG: True})
-    port = free_port()
-    cmd = sl.server_command(tmp_path, port, 1, settings)
-    handle = sl.start_process(cmd, settings.env, f"http://127.0.0.1:{port}", tmp_path / "w.log")
-    worker = sl.wait_healthy(handle, "/health_generate", 90, "fake sglang 0.5.23")
+    worker = start_fake(tmp_path, "0.5.23", 0.0, {sl.ROUTES_FLAG: True})
     router = None
     request = GenerateRequest([3, 4, 5], {"max_new_tokens": 3, "ignore_eos": True},
                               return_routed_experts=True)  # fmt: skip
@@ -391,7 +385,8 @@ def test_routed_experts_reach_the_engines_directly_since_the_router_drops_them(t
         assert done.routed_experts[1].tolist() == expected
         assert [state(worker.url)["violations"]] == [[]]
         routes = sl.SGLangLauncher.routes  # the launcher's decision, on its settings alone
-        assert not routes(SimpleNamespace(settings=settings), 2)
+        flagged = sl.SGLangSettings.parse({sl.ROUTES_FLAG: True})
+        assert not routes(SimpleNamespace(settings=flagged), 2)
         assert routes(SimpleNamespace(settings=sl.SGLangSettings.parse({})), 2)
     finally:
         if router is not None:

@@ -31,13 +31,17 @@ TOKENS = 30  # per request; at DELAY s per token the request is in flight for ~1
 DELAY = 0.05
 
 
-def start_fake(tmp_path: Path, version: str, delay: float = DELAY):
+def start_fake(
+    tmp_path: Path, version: str, delay: float = DELAY, flags: dict | None = None, lora=None
+):
+    """A fake SGLang `version` launched as asyncrl launches SGLang: `delay` s per token, server
+    `flags` (strategy_config keys), LoRA serving `lora` (`sl.LoraServing`)."""
     env = {
         "PYTHONPATH": os.pathsep.join([FAKE, os.environ.get("PYTHONPATH", "")]),
         "FAKE_SGLANG_VERSION": version,
         "FAKE_SGLANG_TOKEN_DELAY_S": str(delay),
     }
-    settings = sl.SGLangSettings.parse({"env": env})
+    settings = sl.with_lora(sl.SGLangSettings.parse({"env": env, **(flags or {})}), lora)
     port = free_port()
     cmd = sl.server_command(tmp_path, port, 1, settings)
     url = f"http://127.0.0.1:{port}"
