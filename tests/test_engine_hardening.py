@@ -130,7 +130,7 @@ def test_a_failed_request_is_a_one_line_500_and_the_next_is_served(engine):
         try:
             async with EngineClient(f"http://127.0.0.1:{port}", timeout=30) as c:
                 fault.armed = "prefill"
-                status, data = await c._call("POST", "/generate", {"input_ids": [3, 4, 5]})
+                status, data = await c.http.call("POST", "/generate", {"input_ids": [3, 4, 5]})
                 assert status == 500 and "injected prefill fault" in data["message"]
                 assert "\n" not in data["message"]
                 out = await c.generate_one(GenerateRequest([3, 4], GREEDY))

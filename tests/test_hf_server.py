@@ -64,7 +64,7 @@ async def _with_client(url, fn):
 
 async def get_load(c: EngineClient) -> dict:
     """The server's own account of its requests (SGLang's /get_load; one DP rank here)."""
-    status, data = await c._call("GET", "/get_load")
+    status, data = await c.http.call("GET", "/get_load")
     assert status == 200 and isinstance(data, list) and len(data) == 1, data
     return data[0]
 
@@ -140,7 +140,7 @@ def test_batched_body_and_stop_token(server, tiny):
             "return_logprob": True,
             "logprob_start_len": -1,
         }
-        return await c._call("POST", "/generate", body)
+        return await c.http.call("POST", "/generate", body)
 
     status, data = run(_with_client(server.url, go))
     assert status == 200 and isinstance(data, list) and len(data) == 2
@@ -400,15 +400,15 @@ def test_a_bad_field_is_named(server, path, body, field):
 
 def test_info_and_weight_version_endpoints(server):
     async def go(c):
-        status, info = await c._call("GET", "/get_model_info")
+        status, info = await c.http.call("GET", "/get_model_info")
         assert status == 200 and info["is_generation"] and "weight_version" in info
-        assert (await c._call("GET", "/server_info"))[1]["version"] == "asyncrl-hf"
+        assert (await c.http.call("GET", "/server_info"))[1]["version"] == "asyncrl-hf"
         await c.update_weight_version(41)
-        assert (await c._call("GET", "/get_weight_version"))[1] == {"weight_version": "41"}
+        assert (await c.http.call("GET", "/get_weight_version"))[1] == {"weight_version": "41"}
         out = await c.generate_one(GenerateRequest([3], {"max_new_tokens": 2}))
         assert out.weight_version == "41" and out.version == 41
         await c.update_weight_version("default")
-        return await c._call("GET", "/health")
+        return await c.http.call("GET", "/health")
 
     assert run(_with_client(server.url, go))[0] == 200
 

@@ -188,7 +188,7 @@ def _evaluator(
         batched = isinstance(body["input_ids"][0], list)  # SGLang's list form: a list back
         return [one] * len(body["input_ids"]) if batched else one
 
-    client._call_ok = call_ok
+    client.http.call_ok = call_ok
     info = {"max_pinned_versions": kept or 0, "pinned_version_linger_s": linger_s}
     client._profile = profile_for(HF_SERVER_VERSION, info)
     if logging is None:

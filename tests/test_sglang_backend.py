@@ -266,7 +266,7 @@ def test_fake_flags_protocol_violations(tmp_path, tiny_model):
         async def bad_calls():
             async with EngineClient(url) as client:
                 body = {"names": ["w"], "dtypes": ["torch.float32"], "shapes": [[1]], "x": 1}
-                return await client._call("POST", "/update_weights_from_distributed", body)
+                return await client.http.call("POST", "/update_weights_from_distributed", body)
 
         status, _ = asyncio.run(bad_calls())
         assert status == 400
@@ -294,7 +294,7 @@ def test_api_key_reaches_servers_router_and_clients(tmp_path, tiny_model):
             req = GenerateRequest([3, 4], {"max_new_tokens": 2})
             async with EngineClient(handles[0].url) as anonymous:
                 assert await anonymous.health()  # /health_generate needs no key
-                status, _ = await anonymous._call("POST", "/generate", {"input_ids": [3]})
+                status, _ = await anonymous.http.call("POST", "/generate", {"input_ids": [3]})
                 assert status == 401
             for url in (handles[0].url, router):  # the router adds the key towards workers
                 async with EngineClient(url, api_key=key) as client:

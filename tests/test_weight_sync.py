@@ -291,7 +291,7 @@ async def wait_mid_generation(client: EngineClient, task: asyncio.Task, tokens: 
     least `tokens` (prompt + output); fail at once if `task` (that request) ends first."""
     deadline = time.monotonic() + 30
     while True:
-        status, data = await client._call("GET", "/get_load")
+        status, data = await client.http.call("GET", "/get_load")
         assert status == 200 and isinstance(data, list) and len(data) == 1, data
         load = data[0]
         running = load["num_reqs"] - load["num_waiting_reqs"]

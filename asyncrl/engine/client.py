@@ -29,15 +29,13 @@ scheduler batches them again.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import aiohttp
-
 from asyncrl.engine.coalesce import Coalescer
+from asyncrl.engine.http import EngineHTTP
 from asyncrl.engine.replies import (
     FINISH_TYPES,
     Completion,
@@ -92,11 +90,8 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.router = router
         self.timeout = timeout
-        self.control_timeout = control_timeout
-        self._max_connections = max_connections
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = EngineHTTP(self.url, headers, control_timeout, max_connections)
         self.seen_version: int | None = None  # newest weight version in this engine's replies
         self._profile: EngineProfile | None = None
         self._lora: int | None = None  # the adapter version requests name; None: no LoRA
@@ -117,58 +112,7 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            connector = aiohttp.TCPConnector(limit=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
-            self._loop = loop
-        return self._session
-
-    async def _call(
-        self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None
-    ) -> tuple[int, object]:
-        """(HTTP status, parsed JSON or text). Raises EngineError / EngineTimeoutError."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.control_timeout)
-        try:
-            async with self._get_session().request(
-                method, self.url + path, json=body, timeout=timeout
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
-        except TimeoutError:
-            raise EngineTimeoutError(
-                self.url, f"{path} gave no reply within {timeout.total:.0f}s"
-            ) from None
-        except aiohttp.ClientError as e:
-            raise EngineError(self.url, f"{path} failed: {type(e).__name__}: {e}") from None
-        try:
-            return status, json.loads(text) if text.strip() else None
-        except ValueError:
-            return status, text
-
-    async def _call_ok(self, method: str, path: str, body=None, timeout_s=None) -> object:
-        status, data = await self._call(method, path, body, timeout_s)
-        if status != 200:
-            problem = f"{path} answered HTTP {status}: {one_line(data)}"
-            raise EngineError(self.url, problem, status)
-        return data
-
-    async def _call_success(
-        self, path: str, body: dict, timeout_s: float | None, message: str = "message"
-    ) -> str:
-        """For SGLang's `{"success", <message>}` endpoints (`error_message` in the LoRA ones'
-        `LoRAUpdateOutput`): the message, or EngineError."""
-        _, data = await self._call("POST", path, body, timeout_s)
-        if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
-            raise EngineReplyError(self.url, f"{path} reply lacks success: {one_line(data)}")
-        if not data["success"]:
-            raise EngineError(self.url, f"{path} failed: {one_line(data.get(message))}")
-        return str(data.get(message) or "")
+        await self.http.close()
 
     # ---- generation ------------------------------------------------------------------------
     async def generate_one(
@@ -233,7 +177,7 @@ class EngineClient:
         and the adapter version they ran on."""
         lora, t = await self._current_lora(), self.timeout  # generation: not control_timeout
         try:
-            data = await self._call_ok(
+            data = await self.http.call_ok(
                 "POST", "/generate", self._body(reqs, batched, keys, lora), t
             )
         except EngineError as e:
@@ -243,7 +187,7 @@ class EngineClient:
             if self._lora in (None, lora):
                 raise
             lora = self._lora
-            data = await self._call_ok(
+            data = await self.http.call_ok(
                 "POST", "/generate", self._body(reqs, batched, keys, lora), t
             )
         return (batch_items(self.url, data, len(reqs)) if batched else [data]), lora
@@ -266,14 +210,14 @@ class EngineClient:
 
     # ---- control ---------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:
-        await self._call_ok("POST", "/pause_generation", {"mode": mode})
+        await self.http.call_ok("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        await self._call_ok("POST", "/continue_generation", {})
+        await self.http.call_ok("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> bool:
         """True if flushed; False when the engine refuses (requests still running)."""
-        status, data = await self._call("POST", "/flush_cache")
+        status, data = await self.http.call("POST", "/flush_cache")
         if status not in (200, 400):
             problem = f"/flush_cache answered HTTP {status}: {one_line(data)}"
             raise EngineError(self.url, problem, status)
@@ -283,9 +227,9 @@ class EngineClient:
         """The engine's weight-sync profile, from the version `/server_info` reports (older
         servers: `/get_server_info`); asked once per client (a relaunch gets a new client)."""
         if self._profile is None:
-            status, data = await self._call("GET", "/server_info")
+            status, data = await self.http.call("GET", "/server_info")
             if status != 200:
-                data = await self._call_ok("GET", "/get_server_info")
+                data = await self.http.call_ok("GET", "/get_server_info")
             if not isinstance(data, dict) or not isinstance(data.get("version"), str):
                 raise EngineReplyError(self.url, f"server info has no version: {one_line(data)}")
             self._profile = profile_for(data["version"], data)
@@ -296,16 +240,16 @@ class EngineClient:
     async def server_info(self) -> dict[str, Any]:
         """The engine's /server_info, as it answers now (asyncrl's hf server adds its pauses by
         mode and the weight buckets it received by load_format)."""
-        data = await self._call_ok("GET", "/server_info")
+        data = await self.http.call_ok("GET", "/server_info")
         if not isinstance(data, dict):
             raise EngineReplyError(self.url, f"server info is not an object: {one_line(data)}")
         return data
 
     async def begin_weight_update(self) -> str:
-        return await self._call_success("/begin_weight_update", {}, None)
+        return await self.http.call_success("/begin_weight_update", {}, None)
 
     async def end_weight_update(self) -> str:
-        return await self._call_success("/end_weight_update", {}, None)
+        return await self.http.call_success("/end_weight_update", {}, None)
 
     async def prepare_update(self, pause_mode: str | None, timeout_s: float) -> None:
         """Before the buckets: pause (unless None); flush once the engine is idle, where the
@@ -359,7 +303,7 @@ class EngineClient:
         """True iff /health_generate answers 200 within `timeout_s` (default: the control
         timeout); never raises for a down, hung or unhealthy engine."""
         try:
-            status, _ = await self._call("GET", "/health_generate", timeout_s=timeout_s)
+            status, _ = await self.http.call("GET", "/health_generate", timeout_s=timeout_s)
         except EngineError:
             return False
         return status == 200
@@ -368,7 +312,7 @@ class EngineClient:
         self, version: int | str, abort_all_requests: bool = False
     ) -> str:
         body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
-        return await self._call_success("/update_weight_version", body, None)
+        return await self.http.call_success("/update_weight_version", body, None)
 
     # ---- weight updates --------------------------------------------------------------------
     async def init_weights_update_group(
@@ -390,7 +334,7 @@ class EngineClient:
             "group_name": group_name,
             "backend": backend,
         }
-        return await self._call_success("/init_weights_update_group", body, timeout_s)
+        return await self.http.call_success("/init_weights_update_group", body, timeout_s)
 
     async def update_weights(
         self,
@@ -413,25 +357,25 @@ class EngineClient:
             "weight_version": None if weight_version is None else str(weight_version),
             "load_format": load_format,
         }
-        return await self._call_success("/update_weights_from_distributed", body, timeout_s)
+        return await self.http.call_success("/update_weights_from_distributed", body, timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
         body = {"group_name": group_name}
-        return await self._call_success("/destroy_weights_update_group", body, None)
+        return await self.http.call_success("/destroy_weights_update_group", body, None)
 
     # ---- LoRA adapters (SGLang's native path; needs an engine launched with --enable-lora) ----
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
         """The engine loads the PEFT adapter directory `lora_path` (on its host) as `lora_name`."""
         body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
-        await self._call_success("/load_lora_adapter", body, None, "error_message")
+        await self.http.call_success("/load_lora_adapter", body, None, "error_message")
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         body = {"lora_name": lora_name}
-        await self._call_success("/unload_lora_adapter", body, None, "error_message")
+        await self.http.call_success("/unload_lora_adapter", body, None, "error_message")
 
     async def lora_adapters(self) -> list[str]:
         """The adapters in `/v1/models` (entries with a `parent`); [] without it (hf engine)."""
-        status, data = await self._call("GET", "/v1/models")
+        status, data = await self.http.call("GET", "/v1/models")
         if status != 200:
             return []
         cards = data.get("data") if isinstance(data, dict) else None
@@ -443,7 +387,7 @@ class EngineClient:
         """Name the adapter of the version the engine reports, asked by a 1-token /generate
         (routed like any request; every engine holds the adapter of a reported version)."""
         body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}, "return_logprob": False}
-        data = await self._call_ok("POST", "/generate", body, self.timeout)
+        data = await self.http.call_ok("POST", "/generate", body, self.timeout)
         version = parse_completion(self.url, data, False).version
         if version is None:
             raise EngineReplyError(self.url, "its weight_version names no adapter of asyncrl's")
