@@ -99,25 +99,9 @@ class EngineFleet:
         self.native = NativeLoraSync(lora.lora_dir, weight_sync.timeout_s) if lora else None
         self.api_key = self.launcher.api_key  # what rollout workers' clients must send
         self.num_engines = self.launcher.num_engines
-        if dedicated_eval and self.num_engines < 2:  # `config validate` refuses it first
-            raise ValueError(
-                f"logging.eval_engine: dedicated needs at least 2 engines, actor_infer has "
-                f"{self.num_engines}"
-            )
         # The evaluation engine is the last one: rollout keeps engines 0..n-2 (and their order).
-        self.eval_index = self.num_engines - 1 if dedicated_eval else None
-        # hf engines join the update group through asyncrl's own code, which checks sealed
-        # (HMAC'd) rendezvous values; SGLang builds its own plain store.
-        seal = infer.strategy_args.strategy_name == "hf_infer"
-        self.sender = WeightSender(timeout_s=weight_sync.timeout_s, seal=seal)
-        # A dedicated evaluation engine meets the learner in a weight group of its own and is
-        # synced only at evaluation steps (`sync(eval_engine=True)`): the rollout engines' syncs
-        # between them never wait for the evaluation in flight on it.
-        self.eval_sender = (
-            WeightSender(group_name=EVAL_GROUP, timeout_s=weight_sync.timeout_s, seal=seal)
-            if dedicated_eval
-            else None
-        )
+        self.eval_index = _eval_index(self.num_engines, dedicated_eval)
+        self.sender, self.eval_sender = _senders(infer, weight_sync, dedicated_eval)
 
     # -- processes ---------------------------------------------------------------------------
     def spawn(self, threads: Sequence[ThreadShare] = ()) -> None:
@@ -404,3 +388,28 @@ def _copied(tensors: Any, copy: bool) -> Any:
     if not copy or tensors is None:
         return tensors
     return [(name, t.detach().clone()) for name, t in tensors]
+
+
+def _eval_index(num_engines: int, dedicated_eval: bool) -> int | None:
+    """The dedicated evaluation engine's index (the last engine), or None."""
+    if dedicated_eval and num_engines < 2:  # `config validate` refuses it first
+        raise ValueError(
+            f"logging.eval_engine: dedicated needs at least 2 engines, actor_infer has "
+            f"{num_engines}"
+        )
+    return num_engines - 1 if dedicated_eval else None
+
+
+def _senders(
+    infer: WorkerConfig, weight_sync: WeightSyncConfig, dedicated_eval: bool
+) -> tuple[WeightSender, WeightSender | None]:
+    """The rollout engines' weight sender and, with a dedicated evaluation engine, its own: it
+    meets the learner in a weight group of its own and is synced only at evaluation steps
+    (`sync(eval_engine=True)`), so the rollout engines' syncs between them never wait for the
+    evaluation in flight on it. hf engines join the update group through asyncrl's own code,
+    which checks sealed (HMAC'd) rendezvous values; SGLang builds its own plain store."""
+    seal = infer.strategy_args.strategy_name == "hf_infer"
+    sender = WeightSender(timeout_s=weight_sync.timeout_s, seal=seal)
+    if not dedicated_eval:
+        return sender, None
+    return sender, WeightSender(group_name=EVAL_GROUP, timeout_s=weight_sync.timeout_s, seal=seal)

@@ -159,19 +159,10 @@ class WeightReceiver:
         epoch, entry = self.epoch, self.groups.get(group_name)  # an abandon moves the epoch on
         if entry is None:
             return False, f"group {group_name!r} not initialised; call init_weights_update_group"
-        if load_format not in (None, "flattened_bucket"):
-            return False, f"unsupported load_format {load_format!r}"
-        if not (isinstance(names, list) and len(names) == len(dtypes) == len(shapes) > 0):
-            return False, "names, dtypes and shapes must be non-empty lists of equal length"
-        try:
-            tdtypes = [parse_dtype(d) for d in dtypes]
-            tshapes = [parse_shape(s) for s in shapes]
-        except BucketLayoutError as e:  # cannot size the buffers: cannot join the broadcast
-            return False, f"bad bucket metadata: {e}"
-        total = flat_layout(tdtypes, tshapes)[1]
-        if total > self.max_bucket_bytes:  # no real bucket is bigger than the model itself
-            return False, f"bucket of {total} bytes exceeds the model's {self.max_bucket_bytes}"
-        pg, backend = entry
+        layout = self._layout(names, dtypes, shapes, load_format)
+        if isinstance(layout, str):
+            return False, layout
+        (tdtypes, tshapes, total), (pg, backend) = layout, entry
         device = torch.device("cpu") if backend == "gloo" else self.engine.device
         # Swap-in needs known names and the receive device to be the parameters' own.
         per_tensor = load_format is None and self._check(names, tdtypes, tshapes) is None
@@ -202,6 +193,23 @@ class WeightReceiver:
             flat = payload[0] if flattened else None
             self.bucket_formats["flattened_bucket" if flattened else "tensors"] += 1
             return self._commit(names, tdtypes, tshapes, tensors, per_tensor, hold, version, flat)
+
+    def _layout(self, names, dtypes, shapes, load_format) -> tuple[list, list, int] | str:
+        """The bucket's torch dtypes, shapes and byte size, or why it cannot be received (its
+        buffers could not be sized, so it could not join the broadcast)."""
+        if load_format not in (None, "flattened_bucket"):
+            return f"unsupported load_format {load_format!r}"
+        if not (isinstance(names, list) and len(names) == len(dtypes) == len(shapes) > 0):
+            return "names, dtypes and shapes must be non-empty lists of equal length"
+        try:
+            tdtypes = [parse_dtype(d) for d in dtypes]
+            tshapes = [parse_shape(s) for s in shapes]
+        except BucketLayoutError as e:
+            return f"bad bucket metadata: {e}"
+        total = flat_layout(tdtypes, tshapes)[1]
+        if total > self.max_bucket_bytes:  # no real bucket is bigger than the model itself
+            return f"bucket of {total} bytes exceeds the model's {self.max_bucket_bytes}"
+        return tdtypes, tshapes, total
 
     def _buffers(self, names, dtypes, shapes, total, per_tensor, flattened, device, hold) -> tuple:
         """(the bucket's tensors, what the broadcast fills). Per tensor: the parameters'
