@@ -265,3 +265,61 @@ def test_a_run_places_its_learner_on_both_nodes_before_the_engines(
     rows = [r for r in rows if r.get("version") is not None]
     assert rows[-1]["version"] == 3 and summary["groups_trained"] == 6
     assert all(r["learner/world_size"] == 3.0 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_run_that_loses_a_rank_ends_naming_it_and_resumes_from_its_last_checkpoint(
+    tiny_model, tmp_path, gpu_nodes, emulated_gpus
+):
+    """A whole run (fsdp2_train, ranks on both nodes, a checkpoint every 2 steps) whose rank on
+    the other node is killed -9 once its first checkpoint is complete: the run ends within the
+    collective timeout with `LostRankError` naming that rank and node; `resume: auto` then
+    continues from the newest complete checkpoint and trains to its end on both nodes."""
+    import json
+
+    from asyncrl.checkpoint import CHECKPOINT_DIR, Checkpointer
+    from asyncrl.run import run
+    from tests.helpers import wait_for
+    from tests.test_multinode import shrunk
+
+    ranks: list[dict] = []
+    wait_ready = RankPlacement.wait_ready
+
+    def recording_wait(self, ray, remotes, shared=True):
+        ranks[:] = wait_ready(self, ray, remotes, shared)
+        return ranks
+
+    base = ("actor_train.device_mapping=[0,1,2]", "cluster.accelerators_per_node=[2,2]",
+            "cluster.collective_timeout_s=60", "actor.checkpoint.save_interval=2")  # fmt: skip
+    first = tmp_path / CHECKPOINT_DIR / "step_2"
+    killed: list[dict] = []
+
+    def kill_after_first_checkpoint() -> None:
+        wait_for(lambda: first.is_dir() and ranks, "the first checkpoint", timeout_s=600)
+        killed.append(ranks[-1])
+        os.kill(ranks[-1]["pid"], signal.SIGKILL)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(RankPlacement, "wait_ready", recording_wait)
+    killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(LostRankError) as lost:  # 40 steps: it cannot end before the kill
+            run(shrunk(tiny_model, tmp_path, gpu_nodes.address, *base, "max_steps=40"))
+        _, worker = _node_ids()
+        assert killed and killed[0]["node"] == worker
+        assert f"rank 2 on node {worker[:12]}" in str(lost.value)
+        assert "\n" not in str(lost.value)
+        newest, _ = Checkpointer(tmp_path, ["model", "optimizer", "extra"]).find("auto")
+        assert newest is not None and newest.step >= 2
+        end = newest.step + 2
+        resumed = shrunk(tiny_model, tmp_path, gpu_nodes.address, *base, f"max_steps={end}",
+                         "actor.checkpoint.resume=auto")  # fmt: skip
+        summary = run(resumed)
+    finally:
+        mp.undo()
+    assert [r["node"] for r in ranks][-1] == worker  # the resumed run placed a rank there again
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r.get("version") is not None]
+    assert steps[-1] == end and newest.step + 1 in steps  # continued where the checkpoint was
+    assert summary["groups_trained"] > 0
