@@ -324,6 +324,7 @@ DRIVER = """
 import sys
 from pathlib import Path
 from asyncrl.engine import sglang as sl
+from asyncrl.engine import sglang_process as sp
 from asyncrl.engine.hf.launch import launch_hf_server
 from asyncrl.net import free_port
 
@@ -332,8 +333,8 @@ hf = launch_hf_server(model, extra_args=["--num-threads", "1"], log_dir=logs)
 settings = sl.SGLangSettings.parse({"env": {"PYTHONPATH": fake}})
 port = free_port()
 cmd = sl.server_command(model, port, 1, settings)
-sg = sl.start_process(cmd, settings.env, f"http://127.0.0.1:{port}", Path(logs) / "sg.log")
-sl.wait_healthy(sg, "/health_generate", 90, "fake sglang")
+sg = sp.start_process(cmd, settings.env, f"http://127.0.0.1:{port}", Path(logs) / "sg.log")
+sp.wait_healthy(sg, "/health_generate", 90, "fake sglang")
 print(hf.proc.pid, sg.proc.pid, flush=True)
 sys.stdin.read()  # until killed
 """

@@ -19,6 +19,7 @@ from asyncrl.config import load_config
 from asyncrl.config.async_checks import pause_mode
 from asyncrl.device import SPECS
 from asyncrl.engine import sglang as sl
+from asyncrl.engine import sglang_process as sp
 from asyncrl.engine.client import EngineClient, GenerateRequest
 from asyncrl.engine.process import EngineLaunchError
 from asyncrl.net import free_port
@@ -145,9 +146,9 @@ def test_attach_to_given_servers_checks_tp_size(tmp_path, tiny_model):
     port = free_port()
     cmd = sl.server_command(tiny_model, port, 1, settings)
     url = f"http://127.0.0.1:{port}"
-    handle = sl.start_process(cmd, settings.env, url, tmp_path / "attached.log")
+    handle = sp.start_process(cmd, settings.env, url, tmp_path / "attached.log")
     try:
-        sl.wait_healthy(handle, "/health_generate", 90, "fake")
+        sp.wait_healthy(handle, "/health_generate", 90, "fake")
         ok = infer_cfg(tmp_path, tp=1, devices="[]", server_urls=[url + "/"])
         launcher = sl.SGLangLauncher(ok.actor_infer, tiny_model, tmp_path, 0, SPECS["cpu"])
         assert launcher.num_engines == 1
@@ -257,11 +258,11 @@ def test_fake_flags_protocol_violations(tmp_path, tiny_model):
     settings = sl.SGLangSettings.parse(fake_env())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    handle = sl.start_process(
+    handle = sp.start_process(
         sl.server_command(tiny_model, port, 1, settings), settings.env, url, tmp_path / "f.log"
     )
     try:
-        sl.wait_healthy(handle, "/health_generate", 90, "fake")
+        sp.wait_healthy(handle, "/health_generate", 90, "fake")
 
         async def bad_calls():
             async with EngineClient(url) as client:

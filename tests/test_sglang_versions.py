@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from asyncrl.engine import sglang as sl
+from asyncrl.engine import sglang_process as sp
 from asyncrl.engine.client import EngineClient
 from asyncrl.engine.versions import UnsupportedEngineError, parse_version, profile_for
 from asyncrl.net import free_port
@@ -45,8 +46,8 @@ def start_fake(
     port = free_port()
     cmd = sl.server_command(tmp_path, port, 1, settings)
     url = f"http://127.0.0.1:{port}"
-    handle = sl.start_process(cmd, settings.env, url, tmp_path / f"fake_{port}.log")
-    return sl.wait_healthy(handle, "/health_generate", 90, f"fake sglang {version}")
+    handle = sp.start_process(cmd, settings.env, url, tmp_path / f"fake_{port}.log")
+    return sp.wait_healthy(handle, "/health_generate", 90, f"fake sglang {version}")
 
 
 def state(url: str) -> dict:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.engine import sglang as sl
+from asyncrl.engine import sglang_process as sp
 from asyncrl.engine.client import EngineClient
 from asyncrl.net import free_port
 from asyncrl.weights.buckets import flat_layout
@@ -59,8 +60,8 @@ def start_fake(tmp_path: Path, tp: int, model_dir: Path) -> object:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = sl.server_command(model_dir, port, tp, settings)
-    handle = sl.start_process(cmd, settings.env, url, tmp_path / f"fake_{port}.log")
-    return sl.wait_healthy(handle, "/health_generate", 90, f"fake sglang tp={tp}")
+    handle = sp.start_process(cmd, settings.env, url, tmp_path / f"fake_{port}.log")
+    return sp.wait_healthy(handle, "/health_generate", 90, f"fake sglang tp={tp}")
 
 
 def state(url: str) -> dict:
