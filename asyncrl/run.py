@@ -128,7 +128,7 @@ def make_queue(cfg: Config) -> ReplayQueue:
     a = cfg.async_
     control = None
     if a.max_staleness == "auto":  # the controller's own defaults, as the docstring says
-        control = ControlSettings(a.max_staleness_hard, a.target_ess)
+        control = ControlSettings(a.max_staleness_hard, a.target_ess, a.target_kl)
     tokens = None
     if a.max_inflight_tokens:
         tokens = TokenBudget(

@@ -271,3 +271,15 @@ def test_staleness_and_token_budget_values_change_admission(models, stale_learne
         values = [v for (p, v) in seen if p == path]
         for a, b in itertools.combinations(values, 2):
             assert seen[(path, a)] != seen[(path, b)], (path, a, b, seen)
+
+
+def test_a_kl_target_tightens_auto_where_the_ess_target_does_not(models, stale_learner_metrics):
+    """`async.target_kl` is read from the learner's own `is/kl_by_lag` metrics: with an ESS
+    target no lag misses, the bound stays at its start without a KL target and drops to 0
+    with one the lag-1 rows' KL exceeds."""
+    assert all(m.get("is/kl_by_lag/1", 0) > 1e-6 for m in stale_learner_metrics[1:])
+    auto = [*overrides("async.max_staleness", "auto", models), "async.target_ess=0.01"]
+    ess_only = admission_fingerprint(load_config(None, auto), stale_learner_metrics)
+    with_kl = load_config(None, [*auto, "async.target_kl=1e-6"])
+    assert ess_only == (4, 1, 0)  # started at 1, kept (3 healthy steps < the 4 a relax needs)
+    assert admission_fingerprint(with_kl, stale_learner_metrics) == (4, 0, 0)

@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.importance import RolloutIS, ess_by_lag, ess_from_lag_sums, lag_sums
+from asyncrl.algo.importance import (
+    RolloutIS,
+    ess_by_lag,
+    ess_from_lag_sums,
+    kl_from_lag_sums,
+    kl_lag_sums,
+    lag_sums,
+)
 from asyncrl.config.schema import AlgorithmConfig
 from asyncrl.learner import objective as obj
 from asyncrl.learner.collate import collate
@@ -176,6 +183,31 @@ def test_shard_sums_add_up_to_the_batch():
         assert ess_from_lag_sums(whole) == ess_by_lag(weights, mask, lags, level)
 
 
+def test_kl_by_lag_is_the_mean_k3_of_each_lags_valid_tokens():
+    # k3 of lr = old - rollout is exp(lr) - lr - 1: 0 where the policies agree, e - 2 at lr 1,
+    # 1/e at lr -1; masked tokens and rows of other lags stay out of a lag's mean.
+    rollout = torch.zeros(3, 3)
+    old = torch.tensor([[0.0, 1.0, 7.0], [-1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+    lags = torch.tensor([2, 2, 0])
+    sums = kl_lag_sums(old, rollout, mask, lags)
+    assert sums.shape == (3, 2) and sums[1].tolist() == [0.0, 0.0]  # lag 1: no token
+    got = kl_from_lag_sums(sums)
+    e = math.e
+    assert set(got) == {0, 2}
+    assert got[2] == pytest.approx(((e - 2) + 1 / e) / 5)  # (0, e-2) + (1/e, 0, 0)
+    assert got[0] == pytest.approx(e - 2)
+    alg, settings = _settings("geometric")
+    _, _, metrics = obj.correct(alg, settings, "vanilla", old, rollout, mask, lags)
+    assert metrics["is/kl_by_lag/2"] == pytest.approx(got[2])
+    # what the ranks' all-reduce relies on: shard sums add up to the batch's
+    a, b = kl_lag_sums(old[:2], rollout[:2], mask[:2], lags[:2]), kl_lag_sums(
+        old[2:], rollout[2:], mask[2:], lags[2:])  # fmt: skip
+    assert torch.allclose(a + torch.cat((b, torch.zeros(2, 2, dtype=b.dtype))), sums)
+    with pytest.raises(ValueError, match="lags must be >= 0"):
+        kl_lag_sums(old, rollout, mask, torch.tensor([0, -1, 0]))
+
+
 def test_negative_lag_is_refused():
     with pytest.raises(ValueError, match="lags must be >= 0"):
         ess_by_lag(torch.ones(2, 2), torch.ones(2, 2), torch.tensor([0, -1]))
@@ -186,7 +218,7 @@ def _rank(rank: int, init: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     weights, mask, lags = _shards()[rank]
-    got = obj.lag_metrics(weights, mask, lags, "sequence", all_ranks=True)
+    got = obj.lag_metrics(weights, mask, lags, "sequence", True, _logprobs(weights))
     Path(out, f"rank{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 
@@ -197,6 +229,11 @@ def _shards():
     w1 = torch.tensor([[3.0, 3.0], [1.0, 0.0]])
     m0, m1 = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]), torch.ones(2, 2)
     return [(w0, m0, torch.tensor([0, 0, 1])), (w1, m1, torch.tensor([0, 3]))]
+
+
+def _logprobs(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old, rollout) with old - rollout = log of the weight + 0.1 (finite at weight 0)."""
+    return (weights + 0.1).log(), torch.zeros_like(weights)
 
 
 def test_all_ranks_report_the_whole_batch(tmp_path):
@@ -218,11 +255,16 @@ def test_all_ranks_report_the_whole_batch(tmp_path):
     # The whole batch, sequence level: lag 0 rows w = (1, 2, 3): 36 / (3 * 14); lag 1 (0.5)
     # and lag 3 (the mean of (1, 0) over both valid tokens: 0.5) are one sequence each.
     (w0, m0, l0), (w1, m1, l1) = _shards()
-    whole = obj.lag_metrics(torch.cat((w0, w1)), torch.cat((m0, m1)), torch.cat((l0, l1)),
-                            "sequence")  # fmt: skip
+    weights = torch.cat((w0, w1))
+    whole = obj.lag_metrics(weights, torch.cat((m0, m1)), torch.cat((l0, l1)), "sequence",
+                            logprobs=_logprobs(weights))  # fmt: skip
     assert got[0] == pytest.approx(whole)
     assert got[0]["is/ess_by_lag/0"] == pytest.approx(36 / (3 * 14))
-    assert set(got[0]) == {f"is/{m}_by_lag/{k}" for m in ("ess", "units") for k in (0, 1, 3)}
+    metrics = ("ess", "units", "kl")
+    assert set(got[0]) == {f"is/{m}_by_lag/{k}" for m in metrics for k in (0, 1, 3)}
+    k3 = lambda w: (w + 0.1) - math.log(w + 0.1) - 1  # noqa: E731 - exp(lr) - lr - 1
+    assert got[0]["is/kl_by_lag/1"] == pytest.approx(k3(0.5))  # one valid token
+    assert got[0]["is/kl_by_lag/3"] == pytest.approx((k3(1.0) + k3(0.0)) / 2)
 
 
 @pytest.mark.parametrize("reuse", [True, False])

@@ -230,3 +230,56 @@ def test_the_docstrings_state_the_controller_defaults():
     assert f"up to {s.relax_after * s.max_backoff} steps" in text
     assert f"holds {s.min_units} units" in doc("async.target_ess")
     assert s.target_ess == AsyncConfig().target_ess
+
+
+# -- the KL signal (`async.target_kl`) ---------------------------------------------------------
+def kl_step(ess: dict[int, float], kl: dict[int, float], units: int = 64) -> dict[str, float]:
+    out = step(ess, units)
+    out.update({f"is/kl_by_lag/{lag}": value for lag, value in kl.items()})
+    return out
+
+
+def test_a_lag_whose_kl_stays_above_target_tightens_though_its_ess_holds():
+    """Geometric-mean weights keep an ESS near 1 while the policy moves: the KL target sees it."""
+    ctl = controller(hard=4, start=4, tighten_after=2, target_kl=0.01)
+    moved = kl_step({1: 0.99, 2: 0.99, 3: 0.98, 4: 0.97}, {1: 0.002, 2: 0.006, 3: 0.012, 4: 0.02})
+    decisions = [ctl.observe(moved) for _ in range(2)]
+    assert [d.bound for d in decisions] == [4, 2]
+    assert decisions[1].reason == (
+        "staleness bound tightened 4 -> 2: KL at lag 3 0.012 > target 0.01 for 2 step(s)"
+    )
+    # without a KL target the same stream never moves it (the ESS signal alone)
+    assert set(run(controller(hard=4, start=4, tighten_after=2), [moved] * 6)) == {4}
+
+
+def test_the_lowest_lag_off_either_target_decides_and_relaxing_needs_both():
+    ctl = controller(hard=4, start=4, tighten_after=1, target_kl=0.01)
+    both = kl_step({1: 0.99, 2: 0.5, 3: 0.99}, {1: 0.001, 2: 0.001, 3: 0.05})
+    assert run(ctl, [both]) == [1]  # lag 2's ESS breaks first (below lag 3's KL)
+    ctl = controller(hard=3, start=1, relax_after=2, target_kl=0.01)
+    assert run(ctl, [kl_step({1: 0.99}, {1: 0.02})] * 2) == [1, 0]  # off KL target: down
+    ctl = controller(hard=3, start=1, relax_after=2, target_kl=0.01)
+    relaxed = [ctl.observe(kl_step({1: 0.99}, {1: 0.005})) for _ in range(2)]
+    assert [d.bound for d in relaxed] == [1, 2]
+    assert relaxed[1].reason.endswith("(lowest ESS 0.990, ESS target 0.7, KL target 0.01)")
+
+
+def test_kl_is_read_for_admitted_lags_with_enough_units_only():
+    ctl = controller(start=2, tighten_after=1, min_units=8, target_kl=0.01)
+    assert run(ctl, [kl_step({}, {3: 1.0, 4: 1.0})]) == [2]  # past the bound: not read
+    assert run(ctl, [kl_step({2: 0.99}, {2: 1.0}, units=7)]) == [2]  # too few units
+    assert run(ctl, [kl_step({2: 0.99}, {2: float("inf")})]) == [2]  # not finite: not read
+    assert run(ctl, [kl_step({2: 0.99}, {2: 1.0})]) == [1]
+
+
+def test_target_kl_is_checked_where_it_is_set():
+    with pytest.raises(ValueError, match="target_kl must be > 0"):
+        ControlSettings(4, TARGET, target_kl=0.0)
+    auto = ["async.max_staleness=auto"]
+    assert load_config(None, [*auto, "async.target_kl=0.01"]).async_.target_kl == 0.01
+    with pytest.raises(ConfigError, match=r"async.target_kl must be > 0"):
+        load_config(None, [*auto, "async.target_kl=-1"])
+    with pytest.raises(ConfigError, match=r"async.target_kl steers max_staleness: auto"):
+        load_config(None, ["async.max_staleness=2", "async.target_kl=0.01"])
+    q = make_queue(load_config(None, [*auto, "async.target_kl=0.02"]))
+    assert q.controller.s.target_kl == 0.02  # what the run's queue steers by

@@ -357,6 +357,37 @@ def lag_sums(
     return torch.zeros(size, 3, dtype=torch.float64).index_add_(0, unit_lag, columns)
 
 
+def kl_lag_sums(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor
+) -> torch.Tensor:
+    """[L + 1, 2] float64 on the CPU: for each lag 0..L (L the largest lag holding a valid
+    token) the Σ over its rows' valid tokens of the k3 estimate of KL(rollout || old),
+    exp(lr) - lr - 1 with lr = old - rollout (the exponent bounded as `mismatch_k3_kl`'s), and
+    their count; a sum, so shards of one batch add up. Per token k3 is >= 0 and 0 exactly where
+    the two policies agree; its mean over a lag's tokens is how far the policy has moved from
+    the one that generated that lag's tokens (plus the engine's numerical mismatch)."""
+    check_same_shape(old=old, rollout=rollout, mask=mask)
+    if tuple(lags.shape) != tuple(old.shape[:1]):
+        raise ValueError(
+            f"lags must hold one staleness per row: got {list(lags.shape)} for {old.shape[0]} rows"
+        )
+    valid = mask.bool()
+    lr = (old.detach().to(torch.float64) - rollout.detach().to(torch.float64))[valid]
+    lr = lr.clamp(max=mm.METRIC_LOG_BOUND)
+    k3 = (torch.exp(lr) - lr - 1.0).cpu()
+    unit_lag = lags.unsqueeze(-1).expand_as(valid)[valid].cpu().to(torch.int64)
+    if unit_lag.numel() and int(unit_lag.min()) < 0:
+        raise ValueError(f"lags must be >= 0 (a row newer than the learner?); got {lags.tolist()}")
+    size = int(unit_lag.max()) + 1 if unit_lag.numel() else 0
+    columns = torch.stack((k3, torch.ones_like(k3)), dim=-1)
+    return torch.zeros(size, 2, dtype=torch.float64).index_add_(0, unit_lag, columns)
+
+
+def kl_from_lag_sums(sums: torch.Tensor) -> dict[int, float]:
+    """{lag: mean per-token k3 KL} from `kl_lag_sums`' rows; lags without a token left out."""
+    return {lag: total / n for lag, (total, n) in enumerate(sums.tolist()) if n > 0}
+
+
 def ess_from_lag_sums(sums: torch.Tensor) -> dict[int, tuple[float, int]]:
     """{lag: (normalised ESS, n)} from `lag_sums`' rows; lags without a unit are left out.
 

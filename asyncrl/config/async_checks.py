@@ -30,6 +30,11 @@ def check_auto_staleness(cfg: Config) -> None:
     only with rollout IS on and a recomputed proximal policy (bypass's weights are all 1)."""
     a, alg = cfg.async_, cfg.algorithm
     if a.max_staleness != "auto":
+        if a.target_kl is not None:
+            raise ConfigError(
+                f"async.target_kl steers max_staleness: auto, but the bound is fixed at "
+                f"{a.max_staleness}: set max_staleness: auto, or target_kl: null"
+            )
         return
     if a.max_staleness_hard < 1:
         raise ConfigError(
@@ -38,6 +43,8 @@ def check_auto_staleness(cfg: Config) -> None:
         )
     if not 0.0 < a.target_ess <= 1.0:
         raise ConfigError(f"async.target_ess must be in (0, 1], got {a.target_ess}")
+    if a.target_kl is not None and not a.target_kl > 0.0:
+        raise ConfigError(f"async.target_kl must be > 0 (null: the ESS alone), got {a.target_kl}")
     if alg.rollout_is_threshold is None or alg.correction_mode == "bypass":
         raise ConfigError(
             "async.max_staleness: auto steers by the rollout IS weights' ESS by lag, which this "

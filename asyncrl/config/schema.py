@@ -208,7 +208,8 @@ class AsyncConfig:
     """Most versions a trained-on group may lag the learner; 0 is the synchronous loop. auto:
     the bound moves between 0 and max_staleness_hard by what the learner measures on trained
     groups: it starts at 1, drops at once below the lowest lag whose rollout IS effective
-    sample size (`is/ess_by_lag/<k>`) stayed under target_ess for 2 steps, and rises by one
+    sample size (`is/ess_by_lag/<k>`) stayed under target_ess (or, with target_kl, whose KL
+    stayed above it) for 2 steps, and rises by one
     after 4 steps with every admitted lag on target (a rise that fails doubles the next wait,
     up to 32 steps). Each change is one `asyncrl: step N: staleness bound ...` line with its
     reason and the `replay/staleness_bound` metric; the controller is checkpointed. Needs the
@@ -237,6 +238,12 @@ class AsyncConfig:
     lag must keep (units per algorithm.rollout_is_level: token-level weights stay near 1 far
     longer than sequence-level ones, so set it higher there). A lag counts once it holds 8
     units in a step."""
+    target_kl: float | None = None
+    """max_staleness auto: also tighten when an admitted lag's mean per-token k3 KL between
+    the policy that generated its tokens and the learner's (`is/kl_by_lag/<k>`, logged) is
+    above this (> 0): how far the policy moved since, which the ESS of truncated or
+    geometric-mean weights hides (it stays near 1). Relaxing needs both targets met. null:
+    the ESS alone."""
     max_inflight_tokens: int | None = None
     """Most tokens held outside the learner at once: prompts admitted and not yet delivered
     (being generated or in transit), each counted at its worst case n × (prompt + most new

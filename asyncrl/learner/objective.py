@@ -21,6 +21,8 @@ from asyncrl.algo.importance import (
     RolloutIS,
     compute_rollout_importance_weights,
     ess_from_lag_sums,
+    kl_from_lag_sums,
+    kl_lag_sums,
     lag_sums,
     normalize_weights_to_batch_mean,
 )
@@ -261,19 +263,26 @@ def lag_metrics(
     lags: torch.Tensor,
     level: str,
     all_ranks: bool = False,
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """`is/ess_by_lag/<k>`: the normalised ESS of the IS weights of the lag-k rows (tokens or
     sequences, per `level`: `algo.importance.lag_sums`); `is/units_by_lag/<k>`: how many
-    tokens or sequences that ESS is over. `all_ranks`: every rank of the default process
-    group holds a shard of the batch and calls this at the same point (the FSDP learner); the
-    sums are all-reduced, so every rank reports the whole batch's figures under the same keys
-    (what `fsdp.mean_over_ranks` needs) and the ESS is the batch's, not a mean of shards'."""
+    tokens or sequences that ESS is over; with `logprobs` (old, rollout), `is/kl_by_lag/<k>`:
+    the mean per-token k3 KL(rollout || old) over the lag-k rows' tokens
+    (`algo.importance.kl_lag_sums`). `all_ranks`: every rank of the default process group
+    holds a shard of the batch and calls this at the same point (the FSDP learner); the sums
+    are all-reduced, so every rank reports the whole batch's figures under the same keys (what
+    `fsdp.mean_over_ranks` needs) and the ESS is the batch's, not a mean of shards'."""
     sums = lag_sums(weights, mask, lags, level)
+    kl = None if logprobs is None else kl_lag_sums(*logprobs, mask, lags)
     if all_ranks:
         sums = _sum_over_ranks(sums)
+        kl = None if kl is None else _sum_over_ranks(kl)
     out: dict[str, float] = {}
     for lag, (ess, n) in ess_from_lag_sums(sums).items():
         out[f"is/ess_by_lag/{lag}"], out[f"is/units_by_lag/{lag}"] = ess, float(n)
+    for lag, value in (kl_from_lag_sums(kl) if kl is not None else {}).items():
+        out[f"is/kl_by_lag/{lag}"] = value
     return out
 
 
@@ -284,7 +293,7 @@ def _sum_over_ranks(sums: torch.Tensor) -> torch.Tensor:
 
     size = torch.tensor([sums.shape[0]], dtype=torch.int64)
     dist.all_reduce(size, op=dist.ReduceOp.MAX)
-    padded = torch.zeros(int(size), 3, dtype=torch.float64)
+    padded = torch.zeros(int(size), sums.shape[1], dtype=torch.float64)
     padded[: sums.shape[0]] = sums
     dist.all_reduce(padded)
     return padded
@@ -306,8 +315,8 @@ def correct(
     `old` is the proximal policy (recomputed, or the rollout logprobs in bypass mode). The
     decoupled loss applies exp(prox - behav) itself, so it gets no separate weights.
     `rollout_is` is `rollout_is_settings(alg)`, built once by the learner, not per batch.
-    `lags` ([B], `sequence_lags`): adds the ESS by staleness (`lag_metrics`) of the weights
-    over the rows rejection sampling keeps, whether or not the loss applies them (metrics-only
+    `lags` ([B], `sequence_lags`): adds the ESS and the k3 KL by staleness (`lag_metrics`) of
+    the weights and log-probs over the rows rejection sampling keeps, whether or not the loss applies them (metrics-only
     IS, a loss that reweighs itself); batch normalisation, one scale, leaves an ESS unchanged.
     `all_ranks`: see `lag_metrics` (a collective: every rank must pass lags at that call).
     `metrics` False: no IS metrics (the same weights and mask), for a micro-batch whose batch
@@ -319,7 +328,7 @@ def correct(
         mask, rs_metrics = rejection_mask(old, rollout, mask, criteria)
         out.update(rs_metrics if metrics else {})
     if weights is not None and lags is not None:
-        out.update(lag_metrics(weights, mask, lags, rollout_is.level, all_ranks))
+        out.update(lag_metrics(weights, mask, lags, rollout_is.level, all_ranks, (old, rollout)))
     if not rollout_is.apply:  # metrics only (verl's `rollout_is: false`)
         weights = None
     if weights is not None and alg.rollout_is_batch_normalize:

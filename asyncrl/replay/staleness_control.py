@@ -8,11 +8,16 @@ batch the IS correction keeps. When the policy moves fast, stale groups' weights
 their ESS falls; when it moves slowly, stale groups cost nothing and a looser bound buys
 throughput. Each learner step the controller reads the ESS of the lags `1 .. bound` it admits
 (lag 0's mismatch is numerical, which no bound changes; lags past the bound are stragglers the
-stale policy admitted earlier) that hold at least `min_units` units, then:
+stale policy admitted earlier) that hold at least `min_units` units and, with a KL target
+(`target_kl`), their mean per-token k3 KL between the behaviour and the learner's policy,
+`is/kl_by_lag/<k>`: the ESS of truncated, clipped or geometric-mean weights stays near 1 long
+after the policy has moved (`asyncrl bench premise`, geometric IS: lag 4's ESS 0.97-0.99 while
+bound 4 trained 2-4 points under bound 2), the KL grows with the lag. A lag breaks the target
+when its ESS is below `target_ess` or its KL above `target_kl`. Then:
 
-- **tighten at once**: after `tighten_after` consecutive steps in which some lag's ESS was
-  below `target_ess`, the bound drops below the lowest such lag (at least by one);
-- **relax by one**: after `relax_wait` consecutive steps with no lag below target (a step with
+- **tighten at once**: after `tighten_after` consecutive steps in which some lag broke the
+  target, the bound drops below the lowest such lag (at least by one);
+- **relax by one**: after `relax_wait` consecutive steps with no lag off target (a step with
   no stale group measured counts as healthy: at bound 0 nothing is stale), the bound rises by
   one, up to `hard`;
 - **back off** (hysteresis): a relaxed bound that breaks the target again before the next
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: The learner's per-lag metric names (`learner/objective.py:lag_metrics`).
-ESS_PREFIX, UNITS_PREFIX = "is/ess_by_lag/", "is/units_by_lag/"
+ESS_PREFIX, UNITS_PREFIX, KL_PREFIX = "is/ess_by_lag/", "is/units_by_lag/", "is/kl_by_lag/"
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class ControlSettings:
     """The ceiling of the bound (`async.max_staleness_hard`); the floor is 0."""
     target_ess: float = 0.7
     """A lag whose IS ESS is below this breaks the target (`async.target_ess`)."""
+    target_kl: float | None = None
+    """A lag whose mean per-token k3 KL(behaviour || learner) is above this breaks the target
+    too (`async.target_kl`); None: the ESS alone."""
     start: int = 1
     """The bound before any signal (clamped to `hard`): today's default fixed bound."""
     tighten_after: int = 2
@@ -61,6 +69,8 @@ class ControlSettings:
             raise ValueError(f"staleness control: hard and start must be >= 0, got {self}")
         if not 0.0 < self.target_ess <= 1.0:
             raise ValueError(f"staleness control: target_ess must be in (0, 1], got {self}")
+        if self.target_kl is not None and not self.target_kl > 0.0:
+            raise ValueError(f"staleness control: target_kl must be > 0, got {self}")
         for name in ("tighten_after", "relax_after", "max_backoff", "min_units"):
             if getattr(self, name) < 1:
                 raise ValueError(f"staleness control: {name} must be >= 1, got {self}")
@@ -85,11 +95,21 @@ class Decision:
 
 def stale_ess(metrics: Mapping[str, Any], bound: int, min_units: int) -> dict[int, float]:
     """{lag: ESS} of the lags 1 .. `bound` measured over at least `min_units` units."""
+    return _by_lag(metrics, ESS_PREFIX, bound, min_units)
+
+
+def stale_kl(metrics: Mapping[str, Any], bound: int, min_units: int) -> dict[int, float]:
+    """{lag: mean per-token k3 KL} of the lags 1 .. `bound` whose ESS is over at least
+    `min_units` units (the same rows: a lag of one short response is noise in either)."""
+    return _by_lag(metrics, KL_PREFIX, bound, min_units)
+
+
+def _by_lag(metrics: Mapping[str, Any], prefix: str, bound: int, min_units: int) -> dict:
     out = {}
     for key, value in metrics.items():
-        if not key.startswith(ESS_PREFIX) or not key[len(ESS_PREFIX) :].isdigit():
+        if not key.startswith(prefix) or not key[len(prefix) :].isdigit():
             continue
-        lag = int(key[len(ESS_PREFIX) :])
+        lag = int(key[len(prefix) :])
         units = metrics.get(f"{UNITS_PREFIX}{lag}", 0) or 0
         if 1 <= lag <= bound and units >= min_units and _finite(value):
             out[lag] = float(value)
@@ -116,20 +136,31 @@ class StalenessController:
         """One learner step's metrics in; the bound (changed or not) out."""
         ess = stale_ess(metrics, self.bound, self.s.min_units)
         signal = min(ess.values(), default=None)
-        broken = sorted(lag for lag, value in ess.items() if value < self.s.target_ess)
+        broken = self._broken(ess, metrics)
         self.breaches, self.healthy = (self.breaches + 1, 0) if broken else (0, self.healthy + 1)
         if broken and self.breaches >= self.s.tighten_after and self.bound > 0:
-            lag = broken[0]
-            why = (
-                f"IS ESS at lag {lag} {ess[lag]:.3f} < target {self.s.target_ess:g} "
-                f"for {self.breaches} step(s)"
-            )
+            lag = min(broken)
+            why = f"{broken[lag]} for {self.breaches} step(s)"
             return self._move(min(self.bound - 1, lag - 1), why, signal)
         if not broken and self.healthy >= self.relax_wait and self.bound < self.s.hard:
             shown = "no stale group measured" if signal is None else f"lowest ESS {signal:.3f}"
-            why = f"{self.healthy} healthy steps ({shown}, target {self.s.target_ess:g})"
+            why = f"{self.healthy} healthy steps ({shown}, {self._targets()})"
             return self._move(self.bound + 1, why, signal)
         return Decision(self.bound, 0, "", signal)
+
+    def _broken(self, ess: dict[int, float], metrics: Mapping[str, Any]) -> dict[int, str]:
+        """{lag: what it broke} of the admitted lags off target this step."""
+        out = {lag: f"IS ESS at lag {lag} {value:.3f} < target {self.s.target_ess:g}"
+               for lag, value in ess.items() if value < self.s.target_ess}  # fmt: skip
+        if self.s.target_kl is not None:
+            for lag, value in stale_kl(metrics, self.bound, self.s.min_units).items():
+                if value > self.s.target_kl and lag not in out:
+                    out[lag] = f"KL at lag {lag} {value:.4g} > target {self.s.target_kl:g}"
+        return out
+
+    def _targets(self) -> str:
+        kl = "" if self.s.target_kl is None else f", KL target {self.s.target_kl:g}"
+        return f"ESS target {self.s.target_ess:g}{kl}"
 
     def _move(self, bound: int, why: str, signal: float | None) -> Decision:
         bound = max(0, min(self.s.hard, bound))
