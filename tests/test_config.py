@@ -30,11 +30,11 @@ def _error(*overrides: str) -> str:
 
 
 def test_every_field_has_a_docstring():
-    from asyncrl.config import schema_actor, schema_run
+    from asyncrl.config import schema_actor, schema_run, schema_worker
 
     classes = [
         n
-        for module in (schema, schema_actor, schema_run)  # schema re-exports their sections
+        for module in (schema, schema_actor, schema_run, schema_worker)  # re-exported sections
         for n in ast.parse(inspect.getsource(module)).body
         if isinstance(n, ast.ClassDef)
     ]
