@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -62,9 +63,7 @@ GRID_LENGTHS = ((8, False), (32, True))
 GRID_WARM_STEPS = 300
 
 
-def engine_groups(
-    model: Any, prompts: list[list[int]], n: int, params: Any, seed: int
-) -> list:
+def engine_groups(model: Any, prompts: list[list[int]], n: int, params: Any, seed: int) -> list:
     """Each prompt's n samples from an in-process hf engine serving `model`, as the groups a
     rollout worker builds (routes through the reply's own encoding and parser)."""
     from asyncrl.engine.hf import routes
@@ -216,8 +215,8 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 def model_spec(shape: tuple[int, int, int], warm_steps: int) -> Any:
     """The embedded MoE's build spec with `shape`'s experts and `warm_steps` steps: the
     embedded MoE's own spec (and cache key) for its shape and steps."""
-    from asyncrl.moe import MAX_EXPERTS
     from asyncrl.models.tiny import embedded_spec
+    from asyncrl.moe import MAX_EXPERTS
 
     experts, top_k, width = shape
     if not 1 <= top_k < experts <= MAX_EXPERTS:
@@ -282,11 +281,20 @@ def run_one(args: argparse.Namespace, argv: list[str] | None) -> int:
     experts, top_k, width = shape
     out = {
         "params": {
-            "prompts": args.prompts, "n": args.n, "max_new": args.max_new,
-            "ignore_eos": args.ignore_eos, "seed": args.seed, "model": str(model_dir),
-            "shape": {"num_experts": experts, "experts_per_token": top_k,
-                      "moe_intermediate_size": width},
-            **built, "engine_dtype": "bf16", "learner_dtype": "fp32",
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_new": args.max_new,
+            "ignore_eos": args.ignore_eos,
+            "seed": args.seed,
+            "model": str(model_dir),
+            "shape": {
+                "num_experts": experts,
+                "experts_per_token": top_k,
+                "moe_intermediate_size": width,
+            },
+            **built,
+            "engine_dtype": "bf16",
+            "learner_dtype": "fp32",
         },  # fmt: skip
         "rows": {"off": off, "r3": r3},
         "response_tokens_mean": result["response_tokens_mean"],
@@ -368,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv  # the result records the command's flags
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.prompts, args.n = 16, 4

@@ -67,11 +67,13 @@ def test_the_bench_names_each_shape_s_result_and_refuses_a_shape_it_cannot_route
     assert bench.shape_of(args([])) == ("mismatch", bench.SHAPES["embedded"])
     assert bench.shape_of(args(["--shape", "qwen3-30b-a3b"]))[0] == "mismatch_qwen3_30b_a3b"
     assert bench.shape_of(args(["--experts", "32", "--top-k", "4"])) == (
-        "mismatch_e32_k4", (32, 4, 96)
+        "mismatch_e32_k4",
+        (32, 4, 96),
     )
-    assert bench.shape_of(args(["--experts", "32", "--top-k", "4", "--warm-steps", "300"]))[
-        0
-    ] == "mismatch_e32_k4_warm300"
+    assert (
+        bench.shape_of(args(["--experts", "32", "--top-k", "4", "--warm-steps", "300"]))[0]
+        == "mismatch_e32_k4_warm300"
+    )
     with pytest.raises(SystemExit, match="needs --experts and --top-k"):
         bench.shape_of(args(["--top-k", "4"]))
     for shape in ((8, 8, 48), (300, 8, 48), (8, 0, 48)):
