@@ -92,8 +92,7 @@ class TorchLearner:
         # Each group's prompt once per micro-batch where it may be, in the lean forward where
         # that is taken (`learner/lean.py`); None: every row whole.
         self.logits_fn = lean.training_logits_fn(self.model, train, actor, world_size)
-        # r3: the policy's forwards replay the engines' routes; r2: its old-policy pass's
-        self.route_tap = None
+        self.route_tap = None  # the policy's forwards replay r3: the engines' routes; r2: its own
         if actor.router_replay in ("r2", "r3"):  # after the reference's copy: it routes itself
             self.route_tap = routing.enable(self.model)
             self.logits_fn = None  # every row whole: the shared-prompt forwards take no routes
