@@ -140,6 +140,11 @@ def test_every_enumerated_value_is_refused_or_runs(matrix):
         "weight_sync.backend",
         "hccl",
     ) in not_here
+    # routing replay (r2, r3) needs a mixture-of-experts policy; the matrix's are dense (both
+    # run on MoE policies in tests/test_moe_r2.py and tests/test_moe_e2e.py)
+    for mode in ("r2", "r3"):
+        verdict = classes["actor.router_replay"][mode]
+        assert verdict.startswith("refused") and "needs a mixture-of-experts" in verdict, verdict
     # SGLang's native LoRA path: refused on the CPU default's hf engines, naming the way there
     native = classes["weight_sync.lora_sync"]["native"]
     assert native.startswith("refused") and "native is SGLang's LoRA path" in native, native

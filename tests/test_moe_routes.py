@@ -262,7 +262,7 @@ def _fields(g: TrajectoryGroup) -> dict:
 @pytest.mark.parametrize(
     "overrides,problem",
     [
-        (["actor.router_replay=r2"], "r2 .* is not implemented"),
+        (["actor.router_replay=r2"], "r2 needs a mixture-of-experts policy"),
         (["actor.router_replay=r3"], "the embedded model is dense"),
         (["actor.router_replay=r3", "actor_train.model_args.embedded_arch=moe",
           "actor.use_dynamic_bsz=true"], "packed one"),

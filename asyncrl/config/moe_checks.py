@@ -79,35 +79,45 @@ def _check_router_replay(cfg: Config) -> None:
     mode, key = cfg.actor.router_replay, "actor.router_replay"
     if mode == "off":
         return
-    if mode == "r2":
-        raise ConfigError(
-            f"{key}: r2 (replaying the learner's own old-policy routes in its update) is not "
-            "implemented; r3 replays the engines' routes"
-        )
-    train, infer = cfg.actor_train, cfg.actor_infer
+    train = cfg.actor_train
     name = train.strategy_args.strategy_name
-    if name not in ("fsdp2_train", "megatron_train"):
-        raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train and megatron_train "
-                          f"learners, not {name}")  # fmt: skip
-    _check_engines_return_routes(infer, key)
-    if name == "megatron_train":
-        _check_megatron_replay(cfg, key)
+    if mode == "r2":
+        _check_r2(cfg, key)
+    else:
+        if name not in ("fsdp2_train", "megatron_train"):
+            raise ConfigError(f"{key}: r3 is implemented in the fsdp2_train and megatron_train "
+                              f"learners, not {name}")  # fmt: skip
+        _check_engines_return_routes(cfg.actor_infer, key)
+        if name == "megatron_train":
+            _check_megatron_replay(cfg, key)
     if cfg.actor.use_dynamic_bsz:
-        raise ConfigError(f"{key}: r3 replays routes in the padded forward; the packed one "
+        raise ConfigError(f"{key}: {mode} replays routes in the padded forward; the packed one "
                           "(actor.use_dynamic_bsz) does not take them")  # fmt: skip
     if name == "fsdp2_train" and train.model_args.actor_checkpointing():
         # (megatron_train recomputes by its recompute_* keys, checked above)
         # a checkpointed layer's recompute runs in the backward, outside the replayed forward:
         # its routers would route themselves and the gradients would not be the forward's
-        raise ConfigError(f"{key}: r3 needs activation checkpointing off (set actor_train."
+        raise ConfigError(f"{key}: {mode} needs activation checkpointing off (set actor_train."
                           "model_args.disable_gradient_checkpointing: true)")  # fmt: skip
     if cfg.actor.use_torch_compile:
-        raise ConfigError(f"{key}: r3 replays routes in eager forwards; actor.use_torch_compile "
-                          "is not supported with it")  # fmt: skip
+        raise ConfigError(f"{key}: {mode} replays routes in eager forwards; "
+                          "actor.use_torch_compile is not supported with it")  # fmt: skip
     if name == "fsdp2_train" and len(train.device_mapping) > 1:
-        raise ConfigError(f"{key}: r3 runs on a single-device learner (FSDP2 sharding with "
+        raise ConfigError(f"{key}: {mode} runs on a single-device learner (FSDP2 sharding with "
                           "replayed routes is untested)")  # fmt: skip
-    _check_moe_model(cfg, key)
+    _check_moe_model(cfg, key, mode)
+
+
+def _check_r2(cfg: Config, key: str) -> None:
+    """r2 replays the routes of the learner's own old-policy pass: the torch learner's no-grad
+    recompute of the proximal logprobs, which only decoupled correction runs."""
+    name = cfg.actor_train.strategy_args.strategy_name
+    if name != "fsdp2_train":
+        raise ConfigError(f"{key}: r2 is implemented in the fsdp2_train learner, not {name}")
+    if cfg.algorithm.correction_mode != "decoupled":
+        raise ConfigError(f"{key}: r2 replays the routes of the learner's old-policy forward; "
+                          f"correction_mode {cfg.algorithm.correction_mode} runs none (its old "
+                          "logprobs are the rollout's): use decoupled, or r3")  # fmt: skip
 
 
 def _check_engines_return_routes(infer: Any, key: str) -> None:
@@ -178,13 +188,13 @@ def check_expert_parallel(cfg: Config) -> None:
         raise ConfigError(f"actor_train.strategy_args.{problem}")
 
 
-def _check_moe_model(cfg: Config, key: str) -> None:
+def _check_moe_model(cfg: Config, key: str, mode: str) -> None:
     """The policy must be a mixture of experts whose routers `asyncrl.moe` knows."""
     args = cfg.actor_train.model_args
     if not args.model_name_or_path:
         if args.embedded_arch != "moe":
-            raise ConfigError(f"{key}: r3 needs a mixture-of-experts policy; the embedded model "
-                              "is dense (set actor_train.model_args.embedded_arch: moe)")  # fmt: skip
+            raise ConfigError(f"{key}: {mode} needs a mixture-of-experts policy; the embedded "
+                              "model is dense (set actor_train.model_args.embedded_arch: moe)")  # fmt: skip
         return
     config = Path(args.model_name_or_path) / "config.json"
     if not config.is_file():
@@ -194,5 +204,5 @@ def _check_moe_model(cfg: Config, key: str) -> None:
     except (OSError, ValueError, AttributeError):
         return  # unreadable: the model load says why
     if kind not in MOE_TYPES:
-        raise ConfigError(f"{key}: r3 needs a mixture-of-experts policy ({sorted(MOE_TYPES)}); "
+        raise ConfigError(f"{key}: {mode} needs a mixture-of-experts policy ({sorted(MOE_TYPES)}); "
                           f"{args.model_name_or_path} is {kind!r}")  # fmt: skip

@@ -273,8 +273,14 @@ class ActorConfig:
     `use_dynamic_bsz`), eager (no `use_torch_compile`) and without activation checkpointing
     (a recompute in the backward would route itself); every row runs whole.
     `learner/router_replayed_frac` and `learner/router_differ_frac` (the share of replayed
-    token-layers whose own top-k differs from the engine's) are logged. r2 (replay the
-    learner's own old-policy routes in the update) is refused: not implemented."""
+    token-layers whose own top-k differs from the replayed experts) are logged. r2 (verl's):
+    the learner's own old-policy pass (the no-grad recompute of the proximal logprobs,
+    decoupled correction only; with r2 it always runs, the training forward never stands in
+    for it) records each position's routes, and the update's forwards replay them, so the
+    policy ratio's numerator routes like its denominator while the update moves the routers;
+    the engines return no routes. fsdp2_train only, with r3's conditions on the learner (one
+    device, padded forward, eager, no activation checkpointing, a Qwen3-MoE/Qwen2-MoE
+    policy)."""
     ppo_max_token_len_per_gpu: int = 16384
     """Token budget of one packed micro-batch per device with `use_dynamic_bsz` (> 0); a
     sequence longer than the budget gets a micro-batch of its own. A micro-batch is one packed

@@ -329,13 +329,17 @@ def budget_logprobs(
     temperature: float,
     token_budget: int,
     pack_budget: int | None = None,
+    routes_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`token_logprobs` without gradients in forwards of at most `token_budget` padded tokens
     (`budget_chunks`, each chunk `trimmed`), or packed under `pack_budget` real tokens when it is
     set (`packed_logprobs`). Positions a chunk cut off (padding after every row's response)
     come back as 0.0: every consumer reads them under the response mask. Every data-parallel
-    rank runs the same number of forwards."""
+    rank runs the same number of forwards. `routes_out` ([B, T, layers * top_k]): each
+    forward's routes are recorded into it (`routing.recording_into`; padded forwards only)."""
     if pack_budget is not None:
+        if routes_out is not None:
+            raise ValueError("routes are recorded in padded forwards, not packed ones")
         return packed_logprobs(model, tensors, temperature, pack_budget)
     rows, resp_len = tensors["response_mask"].shape
     out = torch.zeros(rows, resp_len, dtype=torch.float32, device=tensors["input_ids"].device)
@@ -343,7 +347,10 @@ def budget_logprobs(
     chunks = budget_chunks(tensors["attention_mask"], prompt_len, token_budget)
     total = _forwards(model, len(chunks))
     for idx in chunks:
-        logp = token_logprobs(model, trimmed(tensors, idx.to(out.device)), temperature)[0]
+        sub = trimmed(tensors, idx.to(out.device))
+        first = prompt_len - (sub["input_ids"].shape[1] - sub["response_mask"].shape[1])
+        with routing.recording_into(model, routes_out, idx, first):
+            logp = token_logprobs(model, sub, temperature)[0]
         out[idx.to(out.device), : logp.shape[1]] = logp
     _pad_forwards(model, len(chunks), total, out.device)
     return out

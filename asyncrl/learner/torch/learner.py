@@ -92,8 +92,8 @@ class TorchLearner:
         # Each group's prompt once per micro-batch where it may be, in the lean forward where
         # that is taken (`learner/lean.py`); None: every row whole.
         self.logits_fn = lean.training_logits_fn(self.model, train, actor, world_size)
-        self.route_tap = None  # R3: the policy's forwards replay the engines' routes
-        if actor.router_replay == "r3":  # after the reference's copy: it routes itself
+        self.route_tap = None  # the policy's forwards replay r3: the engines' routes; r2: its own
+        if actor.router_replay in ("r2", "r3"):  # after the reference's copy: it routes itself
             self.route_tap = routing.enable(self.model)
             self.logits_fn = None  # every row whole: the shared-prompt forwards take no routes
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -129,8 +129,14 @@ class TorchLearner:
         total_rows = data["input_ids"].shape[0]
         pad = 1.0 - float(data["attention_mask"].float().mean())
         warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
-        reuse = not warmup and obj.prox_from_training_forward(
-            self.algorithm, self.actor, total_rows, self.stochastic_forward, self.step_size
+        # r2 replays the routes of a separate old-policy pass: the training forward stands in
+        # for none
+        reuse = (
+            not warmup
+            and self.actor.router_replay != "r2"
+            and obj.prox_from_training_forward(
+                self.algorithm, self.actor, total_rows, self.stochastic_forward, self.step_size
+            )
         )
         if self.world_size > 1:  # batch-level advantages see every row, then each its shard
             data, prep, metrics, adv_metrics = self._sharded_advantages(data, total_rows, reuse)
@@ -213,7 +219,15 @@ class TorchLearner:
             recomputed = None
             if alg.correction_mode == "decoupled":
                 budget = self.train.infer_batch_size * data["input_ids"].shape[1]
-                recomputed = lp.budget_logprobs(self.model, data, self.temperature, budget, pack)
+                routes = None  # r2: this pass's routes, which the update's forwards replay
+                if self.actor.router_replay == "r2":
+                    rows, width = data["input_ids"].shape
+                    routes = routing.empty_routes(self.model, rows, width, self.device)
+                recomputed = lp.budget_logprobs(
+                    self.model, data, self.temperature, budget, pack, routes
+                )
+                if routes is not None:
+                    data["routes"] = routes
             old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
             weights, mask, metrics = self._correct(old, rollout, data, lags=True)
         ref = None
