@@ -1,6 +1,7 @@
 """Save the Megatron learner's sharded checkpoint at one parallel layout, resume it at another.
 
     python tests/megatron_dist_ckpt.py MODEL_DIR OUT_JSON SAVE_LAYOUT LOAD_LAYOUT
+    python tests/megatron_dist_ckpt.py MODEL_DIR OUT_JSON ray
 
 A layout is JSON: {"world": W, "tp": .., "pp": .., "extra": {strategy_config keys}} or, with
 "learner": true, one rank as `MegatronLearner` in its own process whose checkpoints go
@@ -12,6 +13,11 @@ The saving run takes a step, saves, and takes a second step (the un-interrupted 
 resuming run loads the weights alone and takes that second step (no moments: it must differ),
 then loads weights and optimizer state and takes it again: its weights and metrics must equal
 the un-interrupted run's. OUT_JSON gets the differences.
+
+`ray`: `MegatronLearner` itself at TP2 x PP2 over four ranks on two Ray nodes
+(tests/megatron_multinode.py's cluster; the driver is rank 0, the others Ray actors), output_dir
+checked shared at start, its checkpoint saved through `Checkpointer` with `async_save` (every
+rank writing its shards), then resumed in place through `find` + `Loaded.apply`.
 """
 
 from __future__ import annotations
@@ -172,10 +178,72 @@ def _diff(a: dict, b: dict) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
+def _learner_step(learner, batch) -> dict:
+    metrics = learner.step(batch)
+    return {"weights": _exported(learner.weights_for_sync()), "metrics": _metrics(metrics)}
+
+
+def ray_learner(src: Path, out_json: Path) -> None:
+    """The `ray` mode (see the module docstring)."""
+    import os
+
+    import megatron_emulation as emu
+    import megatron_multinode as mn
+    import test_megatron_gpu as g
+
+    work = out_json.parent / "work"
+    model_dir = emu.tiny_variant(src, work / "model", None, tied=False)
+    cluster, _ = mn._cluster()
+    emu.apply()  # this driver is rank 0
+    os.environ["ASYNCRL_RANK_ACCELERATOR"] = "GPU"
+    from asyncrl.checkpoint import Checkpointer
+    from asyncrl.device import SPECS
+    from asyncrl.learner.megatron.learner import MegatronLearner
+    from asyncrl.learner.placed_ranks import SHARED_CHECK
+    from asyncrl.learner.placement import RankPlacement
+
+    cfg, batch, run = _configs({"world": 4, "tp": 2, "pp": 2}), g.groups(), work / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    placement = RankPlacement(multinode=True, collective_timeout_s=300.0, shared_dir=str(run))
+    learner = MegatronLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
+                              device=SPECS["cpu"], placement=placement)  # fmt: skip
+    try:
+        learner.step(batch)
+        manager = Checkpointer(run, ["model", "optimizer"], async_save=True)
+        manager.save(1, learner, {})
+        want = _learner_step(learner, batch)  # while the rest is written in the background
+        manager.wait()
+        got = {}
+        for key, contents in (("weights_only", {"model"}), ("resumed", {"model", "optimizer"})):
+            loaded, skipped = manager.find("auto")
+            assert loaded is not None, skipped
+            loaded.apply(learner, contents)
+            got[key] = _learner_step(learner, batch)
+        shards = sorted(p.name for p in (run / "checkpoints" / "step_1" / "learner").iterdir())
+        # the driver wrote a nonce into output_dir at start and each rank read it back
+        shared = [(run / SHARED_CHECK).is_file()] + [rank["shared"] for rank in learner.ranks]
+    finally:
+        learner.close()
+    out_json.write_text(json.dumps({
+        "resumed_weight_max_diff": _diff(got["resumed"]["weights"], want["weights"]),
+        "weights_only_weight_max_diff": _diff(got["weights_only"]["weights"], want["weights"]),
+        "metrics": {k: [want["metrics"][k], got["resumed"]["metrics"].get(k)]
+                    for k in want["metrics"]},
+        "shard_files": shards, "shared_checked": shared,
+    }))  # fmt: skip
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
 def main() -> None:
     import megatron_emulation as emu
 
     src, out_json = Path(sys.argv[1]), Path(sys.argv[2])
+    if sys.argv[3] == "ray":
+        ray_learner(src, out_json)
+        return
     save_layout, load_layout = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     work = out_json.parent / "work"
     work.mkdir(parents=True, exist_ok=True)

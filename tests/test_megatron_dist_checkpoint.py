@@ -61,6 +61,30 @@ def test_a_sharded_checkpoint_resumes_onto_another_layout(tmp_path, tiny_model, 
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
+def test_a_megatron_learner_on_two_nodes_saves_its_shards_and_resumes(tmp_path, tiny_model):
+    """MegatronLearner at TP2 x PP2 over four ranks on two Ray nodes (ranks 1-3 Ray actors):
+    output_dir checked shared at start, an async checkpoint through the manager with every
+    rank writing its shards, resumed through `find` + `apply`."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(HERE / "megatron_dist_ckpt.py"), str(tiny_model), str(out), "ray"]
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["shared_checked"] == [True] * 4, result
+    # four ranks wrote (DP 1: each holds a distinct TP x PP shard), Megatron's metadata last
+    writers = {f.split("_")[2] for f in result["shard_files"] if f.endswith(".distcp")}
+    assert writers == {"0", "1", "2", "3"}, result  # torch_dist files: __<rank>_<n>.distcp
+    assert ".metadata" in result["shard_files"]
+    assert result["resumed_weight_max_diff"] < 1e-5, result
+    assert result["weights_only_weight_max_diff"] > 1e-4, result
+    for key, (want, got) in result["metrics"].items():
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
+
+
 def test_the_distributed_and_the_regular_optimizer_state_do_not_load_into_each_other():
     layout = {"world": 2, "tensor_model_parallel_size": 2, "distributed_optimizer": False}
     # another split, another rank count: Megatron reshards
