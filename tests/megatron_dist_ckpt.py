@@ -1,7 +1,7 @@
 """Save the Megatron learner's sharded checkpoint at one parallel layout, resume it at another.
 
     python tests/megatron_dist_ckpt.py MODEL_DIR OUT_JSON SAVE_LAYOUT LOAD_LAYOUT
-    python tests/megatron_dist_ckpt.py MODEL_DIR OUT_JSON ray
+    python tests/megatron_dist_ckpt.py MODEL_DIR OUT_JSON ray|one
 
 A layout is JSON: {"world": W, "tp": .., "pp": .., "extra": {strategy_config keys}} or, with
 "learner": true, one rank as `MegatronLearner` in its own process whose checkpoints go
@@ -17,7 +17,8 @@ the un-interrupted run's. OUT_JSON gets the differences.
 `ray`: `MegatronLearner` itself at TP2 x PP2 over four ranks on two Ray nodes
 (tests/megatron_multinode.py's cluster; the driver is rank 0, the others Ray actors), output_dir
 checked shared at start, its checkpoint saved through `Checkpointer` with `async_save` (every
-rank writing its shards), then resumed in place through `find` + `Loaded.apply`.
+rank writing its shards), then resumed in place through `find` + `Loaded.apply`; `one`: the
+same with one rank in this process (no Ray).
 """
 
 from __future__ import annotations
@@ -183,28 +184,48 @@ def _learner_step(learner, batch) -> dict:
     return {"weights": _exported(learner.weights_for_sync()), "metrics": _metrics(metrics)}
 
 
-def ray_learner(src: Path, out_json: Path) -> None:
-    """The `ray` mode (see the module docstring)."""
+def in_place(src: Path, out_json: Path, multinode: bool) -> None:
+    """The `ray` and `one` modes (see the module docstring)."""
     import os
 
     import megatron_emulation as emu
     import megatron_multinode as mn
-    import test_megatron_gpu as g
 
     work = out_json.parent / "work"
     model_dir = emu.tiny_variant(src, work / "model", None, tied=False)
-    cluster, _ = mn._cluster()
+    cluster = mn._cluster()[0] if multinode else None
     emu.apply()  # this driver is rank 0
-    os.environ["ASYNCRL_RANK_ACCELERATOR"] = "GPU"
+    if multinode:  # ranks hold the GPUs the Ray nodes declare, computing on the CPU
+        os.environ["ASYNCRL_RANK_ACCELERATOR"] = "GPU"
+    from asyncrl.learner.placement import RankPlacement
+
+    run = work / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    placement = RankPlacement(multinode=multinode, collective_timeout_s=300.0, shared_dir=str(run))
+    layout = {"world": 4, "tp": 2, "pp": 2} if multinode else {"world": 1}
+    try:
+        out_json.write_text(json.dumps(_save_and_resume(model_dir, layout, placement, run)))
+    finally:
+        if cluster is not None:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _save_and_resume(model_dir: Path, layout: dict, placement, run: Path) -> dict:
+    """`MegatronLearner`: a step, an async save through `Checkpointer`, a second step; then
+    resumed in place through `find` + `apply` (weights alone, then with the optimizer state)
+    and the second step again; a state saved with the other optimizer kind is refused."""
+    import test_megatron_gpu as g
+
     from asyncrl.checkpoint import Checkpointer
     from asyncrl.device import SPECS
     from asyncrl.learner.megatron.learner import MegatronLearner
+    from asyncrl.learner.megatron.optim_state import OptimizerLayoutError
     from asyncrl.learner.placed_ranks import SHARED_CHECK
-    from asyncrl.learner.placement import RankPlacement
 
-    cfg, batch, run = _configs({"world": 4, "tp": 2, "pp": 2}), g.groups(), work / "run"
-    run.mkdir(parents=True, exist_ok=True)
-    placement = RankPlacement(multinode=True, collective_timeout_s=300.0, shared_dir=str(run))
+    cfg, batch = _configs(layout), g.groups()
     learner = MegatronLearner(model_dir, cfg.actor_train, cfg.actor, cfg.algorithm, 0.7, 10,
                               device=SPECS["cpu"], placement=placement)  # fmt: skip
     try:
@@ -219,30 +240,34 @@ def ray_learner(src: Path, out_json: Path) -> None:
             assert loaded is not None, skipped
             loaded.apply(learner, contents)
             got[key] = _learner_step(learner, batch)
+        state = manager.find("auto")[0].state
+        state["layout"] = {**state["layout"], "distributed_optimizer": True}
+        try:
+            learner.load_state_dict(state)
+            refused = ""
+        except OptimizerLayoutError as e:
+            refused = str(e)
         shards = sorted(p.name for p in (run / "checkpoints" / "step_1" / "learner").iterdir())
         # the driver wrote a nonce into output_dir at start and each rank read it back
-        shared = [(run / SHARED_CHECK).is_file()] + [rank["shared"] for rank in learner.ranks]
+        shared = [(run / SHARED_CHECK).is_file()] + [r["shared"] for r in learner.ranks] if (
+            learner.remotes) else []  # fmt: skip
     finally:
         learner.close()
-    out_json.write_text(json.dumps({
+    return {
         "resumed_weight_max_diff": _diff(got["resumed"]["weights"], want["weights"]),
         "weights_only_weight_max_diff": _diff(got["weights_only"]["weights"], want["weights"]),
         "metrics": {k: [want["metrics"][k], got["resumed"]["metrics"].get(k)]
                     for k in want["metrics"]},
-        "shard_files": shards, "shared_checked": shared,
-    }))  # fmt: skip
-    import ray
-
-    ray.shutdown()
-    cluster.shutdown()
+        "shard_files": shards, "shared_checked": shared, "refused": refused,
+    }  # fmt: skip
 
 
 def main() -> None:
     import megatron_emulation as emu
 
     src, out_json = Path(sys.argv[1]), Path(sys.argv[2])
-    if sys.argv[3] == "ray":
-        ray_learner(src, out_json)
+    if sys.argv[3] in ("ray", "one"):
+        in_place(src, out_json, multinode=sys.argv[3] == "ray")
         return
     save_layout, load_layout = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     work = out_json.parent / "work"
