@@ -71,9 +71,6 @@ class _RemoteRank(RankActor):
     def load_hf(self, named: dict) -> None:
         self.worker.load_hf(named)
 
-    def optimizer_state(self) -> list:
-        return self.worker.optimizer_state()
-
     def save_sharded(self, path: str, optimizer: bool) -> None:
         self.worker.save_sharded(path, optimizer)
 
