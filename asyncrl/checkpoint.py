@@ -4,9 +4,15 @@ A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
 - `learner.pt`: model, optimizer, scheduler, version, and the critic's model, optimizer and
   scheduler and the KL-in-reward coefficient when configured (torch tensors; loaded with
   `weights_only=True`, so nothing but tensors and plain containers is unpickled),
-- with a sharded (FSDP2) learner, `learner/`: its model, optimizer and frozen reference as a
-  torch.distributed.checkpoint directory, each rank's shards (learner.pt keeps the rest and
-  "sharded" in their place); it loads onto any rank count, one process included,
+- with a sharded learner, `learner/`: each rank's shards of its model and optimizer, every
+  rank writing its own (learner.pt keeps the rest and "sharded" in their place): FSDP2's (and
+  its frozen reference) by torch.distributed.checkpoint, loading onto any rank count, one
+  process included; the Megatron learner's (every rank count, one included) by megatron-core's
+  distributed checkpointing (torch_dist), loading onto any TP/PP/DP/CP/VPP layout and rank
+  count (its optimizer state under the same `use_distributed_optimizer`; see
+  `asyncrl.learner.megatron.dist_ckpt`). With ranks on other nodes `output_dir` must be
+  shared (checked when they start); older Megatron checkpoints, whose learner.pt holds the full
+  weights and each rank's optimizer state, still load (the optimizer onto their layout only),
 - `hf/`: the policy as a Hugging Face model directory (when `hf_model` or `model` is saved),
 - `extra.msgpack`: the run state: step, RNG states, data position, the replay queue (its groups
   stored as the wire codec's frames, `group_to_bytes`) and, once, the in-flight ledger
@@ -16,7 +22,7 @@ A checkpoint is a directory `output_dir/checkpoints/step_<k>/` holding
 A checkpoint is complete or ignored: it is written into `.tmp_step_<k>/`, synced and renamed;
 `latest` names the newest one and is replaced after it, so a crash mid-save leaves the previous
 checkpoint in force (`async_save`: the same, written by a background thread from a snapshot
-taken at the save). `resume: auto` does not trust `latest` alone: it opens the step
+taken at the save; the Megatron learner's shards are written at the save itself). `resume: auto` does not trust `latest` alone: it opens the step
 directories newest first and takes the first complete one (learner.pt loads; extra.msgpack,
 when saved, is present and unpacks), naming the ones it skipped and why.
 

@@ -192,11 +192,20 @@ def resume_gap(worker, batch, weights: dict) -> float | None:
     return max((again[n] - t).abs().max().item() for n, t in second.items())
 
 
+def older_state(learner) -> dict:
+    """What learner.pt held before the Megatron learner's checkpoints were sharded: the full HF
+    weights and each rank's optimizer state with its layout (one rank here)."""
+    return {"version": learner.version, "lr_step": learner.local.lr_step,
+            "model": {n: t.detach().clone() for n, t in learner.weights_for_sync()},
+            "optimizer": {"layout": learner.local.optimizer_layout(),
+                          "ranks": [learner.local.optimizer_state()]}}  # fmt: skip
+
+
 def learner_resume(model_dir: Path, out_json: Path) -> None:
-    """The learner-level checkpoint path on one rank (`MegatronLearner.state_dict` through
-    learner.pt and back): the step after a resume equals the step after the save; a state of
-    another layout is refused before anything loads; an older save (a bare optimizer state)
-    still loads."""
+    """The older learner-level checkpoint on one rank (full weights and the rank's optimizer
+    state in learner.pt, `older_state`, through the file and back): the step after a resume
+    equals the step after the save; a state of another layout is refused before anything
+    loads; an even older save (a bare optimizer state) still loads."""
     apply()
     sys.path.insert(0, str(HERE / "gpu"))
     import test_megatron_gpu as g
@@ -211,7 +220,7 @@ def learner_resume(model_dir: Path, out_json: Path) -> None:
                               device=SPECS["cpu"])  # fmt: skip
     batch = g.groups()
     learner.step(batch)
-    save_learner_file(learner.state_dict(), out_json.parent / "learner.pt")
+    save_learner_file(older_state(learner), out_json.parent / "learner.pt")
     state = torch.load(out_json.parent / "learner.pt", weights_only=True)
     learner.step(batch)
     second = dict(learner.weights_for_sync())

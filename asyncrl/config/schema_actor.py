@@ -123,7 +123,10 @@ class CheckpointConfig:
     """verl's key: write each checkpoint in a background thread from a snapshot taken at the
     save (tensors copied to CPU memory: up to the model + optimizer size more host memory), so
     the loop trains on meanwhile. One save at a time; the run waits for the last before it
-    exits; a failed write raises at the next save or the end, leaving the previous checkpoint."""
+    exits; a failed write raises at the next save or the end, leaving the previous checkpoint.
+    megatron_train writes its model and optimizer shards at the save itself (Megatron's save
+    runs collectives on the training groups, which must not interleave with a step's), the
+    rest of the checkpoint in the background."""
 
 
 @dataclass

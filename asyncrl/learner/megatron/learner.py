@@ -1,7 +1,10 @@
 """`megatron_train`: the Megatron-core learner behind the `Learner` protocol.
 
 Rank 0 runs in the driver process, so weight sync (`weights_for_sync` streams full HF tensors
-straight from its device into the NCCL/HCCL broadcast) and checkpoints stay where the loop is.
+straight from its device into the NCCL/HCCL broadcast) stays where the loop is. Checkpoints are
+sharded: every rank writes its shards of the model and optimizer into the checkpoint's
+`learner/` directory by Megatron's distributed checkpointing (`dist_ckpt`), which any layout and
+rank count reads back; multi-node, `output_dir` must therefore be shared (checked at start).
 With `len(actor_train.device_mapping)` > 1, ranks 1..W-1 are Ray actors. Every call is
 mirrored on every rank (SPMD): the other ranks join the TP all-gathers and pipeline broadcasts
 of an export while rank 0 yields. One node: the ranks are pinned to the driver's, each to its
@@ -19,7 +22,7 @@ here imports Megatron at module load.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,8 @@ from asyncrl.learner.placed_ranks import PlacedRanks, accelerator_ids, torch_ind
 from asyncrl.learner.placement import RankActor, RankPlacement, RankWatch, Rendezvous
 
 __all__ = ["MegatronLearner", "require_megatron"]
+
+SHARDED = "sharded"  # what state_dict holds where save_sharded writes (asyncrl.checkpoint)
 
 
 class _RemoteRank(RankActor):
@@ -66,8 +71,11 @@ class _RemoteRank(RankActor):
     def load_hf(self, named: dict) -> None:
         self.worker.load_hf(named)
 
-    def optimizer_state(self) -> list:
-        return self.worker.optimizer_state()
+    def save_sharded(self, path: str, optimizer: bool) -> None:
+        self.worker.save_sharded(path, optimizer)
+
+    def load_sharded(self, path: str, optimizer: bool) -> None:
+        self.worker.load_sharded(path, optimizer)
 
     def load_optimizer_state(self, ranks: list) -> None:
         self.worker.load_optimizer_state(ranks[self.rank])
@@ -155,8 +163,8 @@ class MegatronLearner:
             remote_cls.options(**o).remote(kwargs, rank, world, meet, dev.kind, resource)
             for rank, o in enumerate(options, start=1)
         ]
-        # its checkpoints are written by rank 0 alone: output_dir need not be shared
-        self.ranks = placement.wait_ready(self._ray, self.remotes, shared=False)
+        # every rank writes its shards of a checkpoint: output_dir must be shared (multi-node)
+        self.ranks = placement.wait_ready(self._ray, self.remotes, shared=True)
         self.watch = RankWatch(self._ray, self.remotes, self.ranks)
         return [r.start.remote() for r in self.remotes]
 
@@ -205,19 +213,55 @@ class MegatronLearner:
         save_hf(self.weights_for_sync(), self.model_path, Path(path))
 
     def state_dict(self) -> dict[str, Any]:
-        """Version, schedule position, the full HF-named weights, and every rank's optimizer
-        state with the layout it belongs to (rank-local: see `optim_state`)."""
-        model = {n: t.detach().to("cpu") for n, t in self.weights_for_sync()}
-        state = {"version": self.version, "lr_step": self.local.lr_step, "model": model}
-        ranks = [self.local.optimizer_state()]
-        if self.remotes:  # no collectives: each rank copies its own shard's state
-            ranks += self._ray.get([r.optimizer_state.remote() for r in self.remotes])
-        state["optimizer"] = {"layout": self.local.optimizer_layout(), "ranks": ranks}
-        return state
+        """Version, schedule position and the layout; the model and optimizer are "sharded":
+        `save_sharded` writes them (a checkpoint's `learner/` directory)."""
+        return {"version": self.version, "lr_step": self.local.lr_step, "model": SHARDED,
+                "optimizer": SHARDED, "layout": self.local.optimizer_layout()}  # fmt: skip
+
+    def save_sharded(self, path: str | Path, background: bool = False,
+                     optimizer: bool = True) -> Callable[[], None]:  # fmt: skip
+        """Every rank writes its shards of the model (and `optimizer` state) into `path`
+        (Megatron's distributed checkpoint, `dist_ckpt`). Written before this returns, also
+        when `background` (an async save): Megatron's save runs collectives on the training
+        groups, which a thread must not interleave with a step's; the rest of the checkpoint
+        is written in the background. Returns the (done) wait."""
+        Path(path).mkdir(parents=True, exist_ok=True)  # before any rank writes into it
+        pending = self._mirror("save_sharded", str(path), optimizer)
+        with self.watch:
+            self.local.save_sharded(str(path), optimizer)
+            if pending:
+                self._ray.get(pending)
+        return lambda: None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A sharded save (any layout, any rank count: every rank reads its pieces), or an
+        older learner.pt's full weights and per-rank optimizer states (`_load_whole`)."""
+        if state.get("model") == SHARDED:
+            self._load_sharded(state)
+        else:
+            self._load_whole(state)
+        self.local.lr_step = int(state.get("lr_step", self.local.lr_step))
+        self.version = int(state.get("version", self.version))
+
+    def _load_sharded(self, state: dict[str, Any]) -> None:
+        if "sharded_dir" not in state:
+            raise ValueError("a sharded Megatron learner state needs its checkpoint's "
+                             "directory (Checkpointer.open sets state['sharded_dir'])")  # fmt: skip
+        from asyncrl.learner.megatron.optim_state import check_reshardable
+
+        optimizer = state.get("optimizer") == SHARDED
+        if optimizer:  # before any rank loads
+            check_reshardable(state.get("layout"), self.local.optimizer_layout())
+        path = str(state["sharded_dir"])
+        pending = self._mirror("load_sharded", path, optimizer)
+        with self.watch:
+            self.local.load_sharded(path, optimizer)
+            if pending:
+                self._ray.get(pending)
+
+    def _load_whole(self, state: dict[str, Any]) -> None:
         """Weights first (every rank loads its shards), then each rank's optimizer state, whose
-        fp32 main parameters are more exact than the model's bf16 ones."""
+        fp32 main parameters are more exact than the model's bf16 ones (same layout only)."""
         from asyncrl.learner.megatron.optim_state import check_layout
 
         optimizer = state.get("optimizer")
@@ -237,8 +281,6 @@ class MegatronLearner:
             self.local.load_optimizer_state(optimizer["ranks"][0])
             if pending:
                 self._ray.get(pending)
-        self.local.lr_step = int(state.get("lr_step", self.local.lr_step))
-        self.version = int(state.get("version", self.version))
 
     def close(self) -> None:
         for remote in self.remotes:

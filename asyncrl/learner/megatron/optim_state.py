@@ -1,8 +1,9 @@
-"""A Megatron rank's optimizer state, for checkpoints.
+"""A Megatron rank's optimizer state in older checkpoints' learner.pt, and what a sharded one
+(`dist_ckpt`, the checkpoints written now) cannot reshard (`check_reshardable`).
 
-Each rank's optimizer holds the state of its own shard: its TP/PP/CP slice of the model and,
-with the distributed optimizer, its DP slice of every bucket. A checkpoint therefore keeps one
-state per rank, with the parallel layout that produced it, and resumes only onto the same
+In such a learner.pt each rank's optimizer holds the state of its own shard: its TP/PP/CP
+slice of the model and, with the distributed optimizer, its DP slice of every bucket. It keeps
+one state per rank, with the parallel layout that produced it, and resumes only onto the same
 layout (another one is refused in one line; `actor.checkpoint.load_contents` without
 `optimizer` resumes the weights alone).
 
@@ -72,12 +73,12 @@ def load_rank_state(optimizer: Any, state: list[dict[str, Any]]) -> None:
             common["param_state_sharding_type"] = RESHARDABLE
         with torch.no_grad():  # copies into the (leaf, grad-requiring) main parameters
             part.load_state_dict(common)
-        _unshare_steps(part)
+        unshare_steps(part)
     if len(parts) > 1 and hasattr(optimizer, "_synchronize_steps"):
         optimizer._synchronize_steps()  # what ChainedOptimizer.load_state_dict does after
 
 
-def _unshare_steps(part: Any) -> None:
+def unshare_steps(part: Any) -> None:
     """The distributed optimizer's load gives every parameter the same `step` tensor when the
     inner optimizer is torch's Adam (no Apex/TE); Adam increments each parameter's step in
     place, so a shared one would advance once per parameter per step (wrong bias correction).
@@ -101,3 +102,18 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
             f"({diff}); resume the weights alone with actor.checkpoint.load_contents "
             f"without 'optimizer', or keep the layout"
         )
+
+
+def check_reshardable(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Refuse, in one line, a sharded optimizer state (`dist_ckpt`) that Megatron cannot load
+    here. Any TP/PP/DP/CP/VPP split and rank count loads; the distributed and the regular
+    optimizer keep their parameter groups in different forms, so neither loads the other's."""
+    key = "distributed_optimizer"
+    if saved is None or bool(saved.get(key)) == bool(current.get(key)):
+        return
+    raise OptimizerLayoutError(
+        f"the checkpoint's Megatron optimizer state was saved with use_distributed_optimizer "
+        f"{bool(saved.get(key))} and this run has {bool(current.get(key))}; Megatron does not "
+        f"convert one optimizer's state into the other's: keep use_distributed_optimizer, or "
+        f"resume the weights alone with actor.checkpoint.load_contents without 'optimizer'"
+    )

@@ -428,3 +428,19 @@ class MegatronWorker:
         from asyncrl.learner.megatron.optim_state import load_rank_state
 
         load_rank_state(self.optimizer, state)
+
+    def save_sharded(self, path: str, optimizer: bool) -> None:
+        """This rank's shards of the model (and `optimizer` state) into the shared directory
+        `path`, by Megatron's distributed checkpointing (`dist_ckpt`; every rank calls it)."""
+        from asyncrl.learner.megatron import dist_ckpt
+
+        if self.plan.ddp.get("overlap_param_gather"):  # the model holds the last step's weights
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+        dist_ckpt.save(self.chunks, self.optimizer, path, optimizer)
+
+    def load_sharded(self, path: str, optimizer: bool) -> None:
+        """This rank's pieces of a `save_sharded` directory written by any layout."""
+        from asyncrl.learner.megatron import dist_ckpt
+
+        dist_ckpt.load(self.chunks, self.optimizer, path, optimizer)
