@@ -315,7 +315,7 @@ class RolloutConfig:
     process: its 60 steps (6 rounds) whole command 52 / 31 / 33 s, first trained batch 29 / 12 /
     15 s; 200 steps (9 rounds) loop completions/s 1.0 / 0.80 / 0.86x Ray's (process/Ray's
     median per round 0.96x, from 0.4x to 1.8x: the load swamps the difference); again
-    2026-11-29 (3 rounds, load 8-14, commit 6773ce7) process/Ray 0.60x (per round 0.46-0.81x),
+    later on 2026-11-28 (3 rounds, load 8-14, commit 6773ce7) process/Ray 0.60x (per round 0.46-0.81x),
     so `ray` stays the default. Refused with `cluster.address` unless `ray`: there the workers
     run beside their engines on the nodes."""
     reward_fn: str = "arithmetic_exact"
