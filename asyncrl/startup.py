@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.config import Config, derive_plan
 from asyncrl.config.async_checks import pause_mode, staleness_ceiling
 from asyncrl.data.prompts import PromptSource
-from asyncrl.data.tokenizer import tokenizer_class_name
+from asyncrl.data.tokenizer import plain_decoder_json, tokenizer_class_name
 from asyncrl.learner.base import Learner
 from asyncrl.net import ray_env, reclaim_sigterm, sigterm_handler
 from asyncrl.orchestrator import Orchestrator
@@ -98,6 +98,8 @@ class WorkerStart:
         )
         stop_later(stack, self.receiver.close)  # PULL socket, read by the pump; asyncrl-zap
         self.tokenizer_class = tokenizer_class_name(tokenizer)  # the workers skip AutoTokenizer
+        # and, where it decodes alike, transformers: the `tokenizers` library decodes
+        self.tokenizer_json = plain_decoder_json(tokenizer)
         self._started: cf.Future[RolloutPool] | None = None
         self._pool: RolloutPool | None = None
         self._sigterm = sigterm_handler()  # the run's, given back once Ray has taken it
@@ -117,7 +119,8 @@ class WorkerStart:
         fleet, host = self.fleet, self.cfg.rollout.transport_host
         urls = fleet.urls_for_worker(index)  # fleet.api_key: ours, or the engines' own
         made = rollout_settings(self.cfg, self.model_dir, urls, self.receiver.port, self.secret,
-                                fleet.api_key, self.tokenizer_class, fleet.routed())  # fmt: skip
+                                fleet.api_key, self.tokenizer_class, fleet.routed(),
+                                self.tokenizer_json)  # fmt: skip
         if fleet.multinode:  # workers on other nodes reach the receiver at this node's address
             made = dataclasses.replace(made, transport_host=advertised_host(host))
         return made
@@ -232,11 +235,13 @@ def rollout_settings(
     engine_api_key: str | None = None,
     tokenizer_class: str = "",
     engine_router: bool = False,
+    tokenizer_json: str = "",
 ) -> RolloutSettings:
     """A rollout worker's own sub-config: the run config's sections, passed whole, the run's
     secrets (the transport's secret, the engines' API key; None: none), the tokenizer's
-    class as the driver resolved it ('': the worker resolves it) and whether `engine_urls` is
-    a router."""
+    class as the driver resolved it ('': the worker resolves it), whether `engine_urls` is
+    a router, and the serialized `tokenizers` backend that decodes alike ('': none,
+    `plain_decoder_json`)."""
     host = cfg.rollout.transport_host
     return RolloutSettings(
         engine_urls=engine_urls,
@@ -244,6 +249,7 @@ def rollout_settings(
         transport_port=transport_port,
         tokenizer_path=str(model_dir),
         tokenizer_class=tokenizer_class,
+        tokenizer_json=tokenizer_json,
         generating=cfg.actor_infer.generating_args,
         rollout=cfg.rollout,
         algorithm=cfg.algorithm,

@@ -208,7 +208,8 @@ def test_kill_9_of_the_driver_leaves_no_worker_behind(tok_dir):  # noqa: F811
 def test_a_run_on_worker_processes_trains_and_never_starts_ray(tiny_model, tmp_path, monkeypatch):
     """`rollout.worker_pool: process` on the one-host default: the engines are the driver's
     subprocesses and the one-process learner needs no Ray, so Ray never starts; the rollout
-    workers were child processes of the driver (the metrics say so), ended with the run."""
+    workers were child processes of the driver (the metrics say so), ended with the run, and
+    decoded with the driver's `tokenizers` backend."""
     import asyncrl.run as run_module
     from asyncrl import net
     from asyncrl.startup import WorkerStart
@@ -223,6 +224,7 @@ def test_a_run_on_worker_processes_trains_and_never_starts_ray(tiny_model, tmp_p
     def spy_pool(workers):
         seen["pool"] = pool(workers)
         seen["pids"] = seen["pool"].pids()
+        seen["settings"] = workers.settings(0)
         return seen["pool"]
 
     monkeypatch.setattr(net, "_init_ray", no_ray)
@@ -231,6 +233,9 @@ def test_a_run_on_worker_processes_trains_and_never_starts_ray(tiny_model, tmp_p
     summary = run_module.run(shrunk(tiny_model, tmp_path, *extra))
     assert summary["steps"] >= 2
     assert isinstance(seen["pool"], ProcessWorkerPool) and len(seen["pids"]) == 2
+    # the workers decoded with the driver's tokenizers backend, never importing transformers
+    # (tests/test_tokenizer_load.py: the same text as transformers' for the same ids)
+    assert seen["settings"].tokenizer_json
     assert not any(running(pid) for pid in seen["pids"])  # ended with the run
     rows = [r for r in read_rows(tmp_path) if r.get("version") is not None]
     assert all(r["rollout/worker_processes"] == 2 for r in rows)

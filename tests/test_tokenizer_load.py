@@ -1,14 +1,23 @@
 """The rollout workers' tokenizer: the class AutoTokenizer picks, loaded without AutoTokenizer,
-so that a worker process never imports torch (data/tokenizer.py)."""
+so that a worker process never imports torch; and where a worker only decodes, the driver's
+tokenizer backend decoded with the `tokenizers` library alone, exactly as transformers decodes,
+so that it never imports transformers either (data/tokenizer.py)."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
 from transformers import AutoTokenizer
 
-from asyncrl.data.tokenizer import load_tokenizer, tokenizer_class_name
+from asyncrl.data.tokenizer import (
+    PlainDecoder,
+    load_decoder,
+    load_tokenizer,
+    plain_decoder_json,
+    tokenizer_class_name,
+)
 
 TEXTS = ["12+34=46", "<|im_start|>user\n7*8=?<|im_end|>", ""]
 
@@ -58,3 +67,74 @@ def test_a_rollout_worker_builds_without_importing_torch(tiny_model):
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert out.stdout.split() == [name, "False"]
+
+
+def test_the_plain_decoder_decodes_every_id_sequence_as_transformers_does(tiny_model):
+    """The driver's tokenizer as the run loads it (transformers 5 rebuilds this one's backend:
+    Qwen2Tokenizer's byte-level decoder, not the file's), its backend serialized: the same
+    text for the ids of the texts, of a chat-templated conversation, and of random ids with
+    special ones among them, skipping special tokens or not."""
+    auto = AutoTokenizer.from_pretrained(tiny_model)
+    spec = plain_decoder_json(auto)
+    assert spec
+    plain = load_decoder(tiny_model, tokenizer_class_name(auto), spec)
+    assert isinstance(plain, PlainDecoder)
+    chat = [{"role": "user", "content": "7*8=?"}, {"role": "assistant", "content": "56"}]
+    texts = [*TEXTS, auto.apply_chat_template(chat, tokenize=False)]
+    rng = random.Random(0)
+    specials = auto.all_special_ids
+    sequences = [auto.encode(t) for t in texts] + [
+        [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(auto))
+         for _ in range(rng.randrange(48))]
+        for _ in range(500)
+    ]  # fmt: skip
+    assert any(set(ids) & set(specials) for ids in sequences)
+    for ids in sequences:
+        for skip in (True, False):
+            assert plain.decode(ids, skip_special_tokens=skip) == auto.decode(
+                ids, skip_special_tokens=skip
+            ), (ids, skip)
+
+
+def test_no_plain_decoder_where_transformers_decodes_otherwise(tiny_model):
+    """A tokenizer that cleans up spaces, or whose class changes `decode`, decodes other than
+    its backend: the workers keep the transformers tokenizer."""
+    cleaning = AutoTokenizer.from_pretrained(tiny_model, clean_up_tokenization_spaces=True)
+    assert plain_decoder_json(cleaning) == ""
+    auto_type = type(AutoTokenizer.from_pretrained(tiny_model))
+
+    class Shouting(auto_type):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens, **kwargs).upper()
+
+    class Private(auto_type):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "x" + super()._decode(token_ids, skip_special_tokens, **kwargs)
+
+    for cls in (Shouting, Private):
+        assert plain_decoder_json(cls.from_pretrained(tiny_model)) == "", cls.__name__
+    assert plain_decoder_json(object()) == ""
+    assert type(load_decoder(tiny_model, auto_type.__name__, "")) is auto_type
+
+
+def test_a_rollout_worker_that_only_decodes_never_imports_transformers(tiny_model):
+    """With the driver's serialized backend (`RolloutSettings.tokenizer_json`), the worker's
+    construction path loads neither transformers nor torch."""
+    auto = AutoTokenizer.from_pretrained(tiny_model)
+    code = (
+        "import sys\n"
+        "from asyncrl.rollout.ray_pool import _RayRolloutWorker\n"
+        "from asyncrl.rollout.settings import RolloutSettings\n"
+        "from asyncrl.rollout.single_turn import GroupBuilder\n"
+        "spec = sys.stdin.read()\n"
+        "s = RolloutSettings(['http://127.0.0.1:9'], '127.0.0.1', 9, sys.argv[1], sys.argv[2],\n"
+        "                    tokenizer_json=spec)\n"
+        "builder = GroupBuilder(s)\n"
+        "print(type(builder.tokenizer).__name__, 'transformers' in sys.modules,\n"
+        "      'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_model), tokenizer_class_name(auto)],
+        input=plain_decoder_json(auto), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["PlainDecoder", "False", "False"]

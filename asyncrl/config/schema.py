@@ -156,14 +156,17 @@ class RolloutConfig:
     plain child process of the driver (`rollout/process_pool.py`: msgpack over pipes, no Ray
     on one host, ended with the driver even on `kill -9`; a dead one is replaced and its
     prompts re-issued): no Ray daemons to start and no interpreter lock shared with the
-    learner, but each worker imports the rollout stack and its tokenizer itself (~2 s of CPU).
+    learner, but each worker imports the rollout stack itself (0.9-1.0 s of CPU to the first
+    batch since single-turn workers decode with the `tokenizers` library, not transformers:
+    3.2-3.6 s before; docs/ARCHITECTURE.md, start-up, 2026-11-29).
     Measured on the CPU default (`asyncrl run configs/default.yaml logging.eval_interval=0`,
     interleaved rounds, the loaded 2-core box at load 5-10, 2026-11-28), medians ray / driver /
     process: its 60 steps (6 rounds) whole command 52 / 31 / 33 s, first trained batch 29 / 12 /
     15 s; 200 steps (9 rounds) loop completions/s 1.0 / 0.80 / 0.86x Ray's (process/Ray's
-    median per round 0.96x, from 0.4x to 1.8x: the load swamps the difference), so `ray` stays
-    the default. Refused with `cluster.address` unless `ray`: there the workers run beside
-    their engines on the nodes."""
+    median per round 0.96x, from 0.4x to 1.8x: the load swamps the difference); again
+    later on 2026-11-28 (3 rounds, load 8-14, commit 6773ce7) process/Ray 0.60x (per round 0.46-0.81x),
+    so `ray` stays the default. Refused with `cluster.address` unless `ray`: there the workers
+    run beside their engines on the nodes."""
     reward_fn: str = "arithmetic_exact"
     """Reward by registry name or `package.module:function`; the path is imported when the config
     loads, so a typo fails validation."""

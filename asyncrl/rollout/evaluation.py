@@ -67,7 +67,7 @@ from asyncrl.algo.episode import episode_return
 from asyncrl.config.schema import EnvConfig, LoggingConfig
 from asyncrl.data.env_prompts import heldout_seed_rows
 from asyncrl.data.prompts import PromptItem
-from asyncrl.data.tokenizer import load_tokenizer
+from asyncrl.data.tokenizer import load_decoder
 from asyncrl.engine.client import EngineClient, EngineError
 from asyncrl.engine.fleet import EngineFleet
 from asyncrl.metrics.keys import ACCURACY, EVAL_GREEDY, EVAL_SAMPLED
@@ -118,7 +118,9 @@ class Evaluator:
         # Rollout requests carry no priority (the engines' default, 0): 0 here sends none.
         self.priority = logging.eval_priority or None
         self.s, self.fleet = settings, fleet
-        self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
+        self.tokenizer = load_decoder(
+            settings.tokenizer_path, settings.tokenizer_class, settings.tokenizer_json
+        )  # decoding only
         self.reward = get_reward_fn(settings.rollout.reward_fn)
         self.counters: Counter[str] = Counter()
         self.in_flight: list[_InFlight] = []

@@ -35,6 +35,11 @@ class RolloutSettings:
     """The transformers class AutoTokenizer picks for `tokenizer_path`, resolved once by the
     driver (`data.tokenizer.tokenizer_class_name`): the worker loads it directly and so never
     imports torch. '': resolve with AutoTokenizer."""
+    tokenizer_json: str = field(default="", repr=False)
+    """That tokenizer's `tokenizers` backend as the driver loaded it, serialized, where it
+    decodes as the tokenizer does (`data.tokenizer.plain_decoder_json`): a worker that only
+    decodes (single-turn groups) decodes with the `tokenizers` library from it and never
+    imports transformers. '': the transformers tokenizer."""
     generating: GeneratingArgs = field(default_factory=GeneratingArgs)
     """`actor_infer.generating_args`: sampling parameters."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

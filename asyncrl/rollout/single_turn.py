@@ -26,7 +26,7 @@ import numpy as np
 from asyncrl.algo.dapo import overlong_penalty
 from asyncrl.algo.group_advantages import AdvantageParams, estimator_stage, one_group_advantages
 from asyncrl.data.prompts import PromptItem
-from asyncrl.data.tokenizer import load_tokenizer
+from asyncrl.data.tokenizer import load_decoder
 from asyncrl.rollout.settings import (
     PermanentRolloutError,
     RolloutSettings,
@@ -112,7 +112,9 @@ class GroupBuilder:
         self.s = settings
         self.clients = settings.engine_clients()
         self._next_engine = itertools.cycle(range(len(self.clients)))
-        self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.tokenizer_class)
+        # decoding only: the `tokenizers` library alone where the driver found it equal
+        s = settings
+        self.tokenizer = load_decoder(s.tokenizer_path, s.tokenizer_class, s.tokenizer_json)
         self.reward_fn = get_reward_fn(settings.rollout.reward_fn)
 
     async def build(self, item: PromptItem) -> TrajectoryGroup:
