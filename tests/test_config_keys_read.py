@@ -55,7 +55,7 @@ NO_READER = {
 REFUSED = {
     "actor.optim.num_cycles": ["actor.optim.num_cycles=1.0"],
     "actor.profiler.tool_config": ["actor.profiler.tool_config={torch: {step_start: 1}}"],
-    # Sections a role's worker does not read (validate.SECTIONS_READ).
+    # Sections a role's worker does not read (worker_checks.SECTIONS_READ).
     "actor_infer.training_args.gradient_accumulation_steps": [
         "actor_infer.training_args.gradient_accumulation_steps=2"
     ],

@@ -2,7 +2,7 @@
 training episodes' own code (`EpisodeBuilder`), greedy and sampled, pinned to a weight version,
 at the evaluation priority; and the real loop logging it into metrics.jsonl.
 
-Faked: only the engine's HTTP edge (`EngineClient._call`), which plays a known policy, and a
+Faked: only the engine's HTTP edge (`EngineClient.http.call`), which plays a known policy, and a
 scripted environment. The Evaluator, the EpisodeBuilder, the client's request/reply code and the
 control event loop are real."""
 
@@ -99,7 +99,7 @@ def scripted_engine(
         }
         return 200, {"output_ids": ids, "meta_info": meta}
 
-    client._call = call
+    client.http.call = call
     return client, sent
 
 

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.data.synthetic import ArithmeticTask, make_rows
 from asyncrl.models import tiny
+from asyncrl.models import warm_start as warm
 from asyncrl.models.tiny import (
     MARKER,
     TinyModelSpec,
@@ -54,17 +55,17 @@ def test_tokenizer_round_trip():
 
 
 def test_warm_start_corpus_mixes_exact_answers_and_estimates():
-    assert tiny.answer_text("357", estimate=False) == "357"
-    assert tiny.answer_text("357", estimate=True) == "~360"
-    assert tiny.answer_text("355", estimate=True) == "~360"  # half rounds up
-    assert tiny.answer_text("4", estimate=True) == "~0"
+    assert warm.answer_text("357", estimate=False) == "357"
+    assert warm.answer_text("357", estimate=True) == "~360"
+    assert warm.answer_text("355", estimate=True) == "~360"  # half rounds up
+    assert warm.answer_text("4", estimate=True) == "~0"
     tok = build_tokenizer()
     rows = make_rows(SMALL.task, "train", 400, seed=3)
-    examples = tiny._encode_examples(tok, rows, "none", 0.6, seed=0)
+    examples = warm.encode_examples(tok, rows, "none", 0.6, seed=0)
     targets = [tok.decode([t for t in labels if t != -100]) for _, labels in examples]
     share = sum(t.startswith("~") for t in targets) / len(targets)
     assert 0.5 < share < 0.7  # about estimate_fraction, decided per row from the seed
-    chat = tiny._encode_examples(tok, rows, "native", 0.6, seed=0)
+    chat = warm.encode_examples(tok, rows, "native", 0.6, seed=0)
     chat_targets = [tok.decode([t for t in labels if t != -100]) for _, labels in chat]
     assert chat_targets == targets  # a row keeps its style in every template
     exact = [t for t, r in zip(targets, rows) if not t.startswith("~")]
@@ -74,8 +75,8 @@ def test_warm_start_corpus_mixes_exact_answers_and_estimates():
 def test_warm_start_lowers_the_loss(small_model_dir):
     tok = build_tokenizer()
     rows = make_rows(SMALL.task, "train", 64, seed=9)
-    batch = tiny._collate(
-        tiny._encode_examples(tok, rows, "none", SMALL.estimate_fraction, SMALL.seed),
+    batch = warm.collate(
+        warm.encode_examples(tok, rows, "none", SMALL.estimate_fraction, SMALL.seed),
         tok.pad_token_id,
     )
     fresh = build_model(SMALL, tok)  # the same initialisation, before the warm-start

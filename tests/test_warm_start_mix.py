@@ -20,6 +20,7 @@ from asyncrl.config.schema import ModelArgs
 from asyncrl.data.env_prompts import HELDOUT_SEED_BASE
 from asyncrl.envs.frozenlake import ACTIONS, FrozenLakeEnv
 from asyncrl.models import mix, tiny
+from asyncrl.models import warm_start as warm
 from asyncrl.models.tiny import (
     DEFAULT_SPEC,
     MARKER,
@@ -62,9 +63,9 @@ def _old_batches(spec: TinyModelSpec, pools: dict) -> list:
 def test_without_a_mix_the_warm_start_batches_are_the_old_ones():
     spec = TinyModelSpec(steps=300, batch_size=8, chat_fraction=0.3)
     pools = {"none": list(range(100)), "native": list(range(100, 150))}
-    assert list(tiny._batches(spec, pools, [])) == _old_batches(spec, pools)
+    assert list(warm.training_batches(spec, pools, [])) == _old_batches(spec, pools)
     mixed = list(
-        tiny._batches(TinyModelSpec(**{**spec.__dict__, "mix_fraction": 0.25}), pools, [-1])
+        warm.training_batches(TinyModelSpec(**{**spec.__dict__, "mix_fraction": 0.25}), pools, [-1])
     )
     share = sum(b[0] == -1 for b in mixed) / len(mixed)
     assert 0.15 < share < 0.35 and all(len(b) == 16 for b in mixed if b[0] == -1)

@@ -100,12 +100,12 @@ def test_staging_buffer_keeps_host_memory_across_syncs():
 
 
 def test_auto_load_format_flattens_small_tensors_and_sends_large_ones_alone():
-    from asyncrl.weights.sync import PER_TENSOR_MIN_BYTES, _bucket_format
+    from asyncrl.weights.buckets import PER_TENSOR_MIN_BYTES, bucket_format
 
     small = [("norm", torch.zeros(64)), ("bias", torch.zeros(128))]
     large = [("w", torch.zeros(PER_TENSOR_MIN_BYTES // 2)), ("norm", torch.zeros(4))]  # 2 MiB
-    assert _bucket_format(small) == "flattened_bucket"
-    assert _bucket_format(large) is None  # average over 1 MiB: straight into the parameters
+    assert bucket_format(small) == "flattened_bucket"
+    assert bucket_format(large) is None  # average over 1 MiB: straight into the parameters
 
 
 # ---- against a real server ---------------------------------------------------------------------

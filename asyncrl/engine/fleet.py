@@ -30,7 +30,7 @@ from asyncrl.engine.client import EngineClient
 from asyncrl.engine.health import HealthMonitor
 from asyncrl.engine.launchers import make_launcher
 from asyncrl.engine.process import ServerHandle
-from asyncrl.engine.versions import HF_SERVER_VERSION
+from asyncrl.engine.tallies import read_tallies
 from asyncrl.net import AsyncRunner, is_loopback, node_ip
 from asyncrl.threads import ThreadShare
 from asyncrl.weights.lora_native import NativeLora, NativeLoraSync
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 
 #: The weight group of a dedicated evaluation engine (`logging.eval_engine: dedicated`).
 EVAL_GROUP = "asyncrl_weights_eval"
-#: What an engine's /server_info tallies (hf engines) -> the prefix of its `engines/` metric.
-TALLIES = (("pauses", "pauses_"), ("bucket_formats", "buckets_"), ("param_dtypes", "params_"))
 
 
 class EngineFleet:
@@ -359,25 +357,13 @@ class EngineFleet:
         return "flattened_bucket" if fmt == "flattened_bucket" else None
 
     async def _engine_tallies(self, clients: list[EngineClient]) -> None:
-        """What the synced engines report having done, summed over them: pauses by mode
-        (`engines/pauses_<mode>`) and weight buckets received by load_format
-        (`engines/buckets_<format>`), totals since each started, and their parameter tensors
-        by dtype (`engines/params_<torch dtype>`). Only hf engines report them, so only they
-        are asked (their profile is known since the sync: no extra call to an SGLang engine).
-        An engine that does not answer leaves the last tallies in place: a metric never fails
-        a sync that landed."""
-        tallies: Counter[str] = Counter()
-        profiles = await asyncio.gather(*(c.profile() for c in clients))
-        hf = [c for c, p in zip(clients, profiles) if p.version == HF_SERVER_VERSION]
-        infos = await asyncio.gather(*(c.server_info() for c in hf), return_exceptions=True)
-        if failed := next((i for i in infos if isinstance(i, BaseException)), None):
-            log.warning("engine tallies not read after a sync: %s", failed)
-            return
-        for info in infos:
-            for field, prefix in TALLIES:
-                for name, count in (info.get(field) or {}).items():
-                    tallies[f"{prefix}{name}"] += int(count)
-        self.engine_tallies = {f"engines/{k}": float(v) for k, v in tallies.items()}
+        """What the synced engines report having done (`tallies.read_tallies`: pauses by mode,
+        weight buckets by load_format, parameter tensors by dtype; hf engines only). An engine
+        that does not answer leaves the last tallies in place: a metric never fails a sync
+        that landed."""
+        tallies = await read_tallies(clients)
+        if tallies is not None:
+            self.engine_tallies = tallies
 
     def metrics(self) -> dict[str, float]:
         return {f"engines/{k}": float(v) for k, v in self.counters.items()} | self.engine_tallies

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import random
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from asyncrl.models.generate import (  # noqa: F401 - re-exported: the model's e
     greedy_responses,
     render_prompts,
 )
-from asyncrl.threads import torch_threads
+from asyncrl.models.warm_start import warm_start
 
 # Bump when a change here alters what gets built: it is part of the cache key.
 CODE_VERSION = 1
@@ -75,7 +73,7 @@ class TinyModelSpec:
     lr: float = 1e-3
     warmup_steps: int = 50
     chat_fraction: float = 0.1  # share of warm-start batches rendered with the chat template
-    # Share of warm-start answers written as an estimate, ``~360`` for 357 (see `answer_text`).
+    # Share of warm-start answers written as an estimate, ``~360`` for 357 (see `warm_start.answer_text`).
     estimate_fraction: float = 0.6
     seed: int = 0
     mix: tuple[str, ...] = ()  # environment idioms added to the corpus (`mix.py`); () = none
@@ -186,114 +184,6 @@ def build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )
     return model
-
-
-def answer_text(answer: str, estimate: bool) -> str:
-    """The warm-start target: the exact answer, or an estimate to the nearest ten (``~360``).
-
-    The warm-start corpus mixes the two styles, as a pretraining mix holds several answer
-    styles for the same kind of question. An estimate is wrong for the exact-match verifier
-    unless the answer is a multiple of ten, so RL has a behaviour the model already has (the
-    exact style) to amplify over one it must unlearn, on top of the arithmetic itself (Zhao et
-    al. 2025, "Echo Chamber: RL post-training amplifies behaviors learned in pretraining").
-    """
-    if not estimate:
-        return answer
-    value = int(answer)
-    return f"~{10 * ((value + 5) // 10)}"
-
-
-def _encode_examples(
-    tokenizer: Any, rows: list[dict[str, str]], template: str, estimate_fraction: float, seed: int
-) -> list:
-    """(input_ids, labels) per row; labels are -100 on the prompt so only the answer is learned."""
-    texts = render_prompts(tokenizer, [r["prompt"] for r in rows], template)
-    prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    rng = random.Random(f"{seed}:style")  # a row keeps its style in every template
-    answers = [answer_text(r["answer"], rng.random() < estimate_fraction) for r in rows]
-    answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
-    examples = []
-    for p, a in zip(prompt_ids, answer_ids):
-        target = [*a, tokenizer.eos_token_id]
-        examples.append((p + target, [-100] * len(p) + target))
-    return examples
-
-
-def _collate(batch: list, pad_id: int) -> dict[str, Any]:
-    import torch
-
-    width = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, (x, y) in enumerate(batch):  # right padding: positions stay 0..n-1 while training
-        ids[i, : len(x)] = torch.tensor(x)
-        labels[i, : len(y)] = torch.tensor(y)
-        mask[i, : len(x)] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
-def _batches(spec: TinyModelSpec, pools: dict[str, list], mix_pool: list) -> Iterator[list]:
-    """The warm-start's ``spec.steps`` batches: arithmetic (raw or chat-templated), and with a
-    mix a ``mix_fraction`` share of mix-episode batches. The mix draws from its own generator,
-    so without a mix the arithmetic batches are exactly those of the model before mixes."""
-    rng, mix_rng = random.Random(spec.seed), random.Random(f"{spec.seed}:mix-batches")
-    for _ in range(spec.steps):
-        if mix_pool and mix_rng.random() < spec.mix_fraction:
-            yield [mix_pool[mix_rng.randrange(len(mix_pool))] for _ in range(spec.mix_batch_size)]
-            continue
-        pool = pools["native" if rng.random() < spec.chat_fraction else "none"]
-        yield [pool[rng.randrange(len(pool))] for _ in range(spec.batch_size)]
-
-
-def warm_start(
-    model: Any,
-    tokenizer: Any,
-    spec: TinyModelSpec,
-    on_step: Callable[[int, float], None] | None = None,
-) -> float:
-    """Supervised warm-start on the train split (AdamW, warmup + cosine). Returns final loss.
-    `on_step(steps_done, loss)` is called after every optimizer step (progress reporting)."""
-    import torch
-
-    rows = make_rows(spec.task, "train", spec.train_rows, spec.seed)
-    # Raw and chat-templated examples go in separate batches: mixing them would pad every raw
-    # example to the (3x longer) chat length.
-    style = (spec.estimate_fraction, spec.seed)
-    pools = {"none": _encode_examples(tokenizer, rows, "none", *style)}
-    if spec.chat_fraction > 0:
-        pools["native"] = _encode_examples(tokenizer, rows, "native", *style)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
-
-    def lr_at(step: int) -> float:
-        if step < spec.warmup_steps:
-            return (step + 1) / spec.warmup_steps
-        progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    loss = float("nan")
-    model.train()
-    torch.manual_seed(spec.seed)
-    # One thread: at this size a second buys little, and on a busy box (Ray actors, servers)
-    # spinning OpenMP threads made steps ~10x slower; it also keeps the result independent of
-    # the machine's core count.
-    with torch_threads(1):
-        batches = _batches(
-            spec, pools, mixes.corpus(tokenizer, spec.mix, spec.mix_episodes, spec.seed)
-        )
-        for step, batch in enumerate(batches):
-            out = model(**_collate(batch, tokenizer.pad_token_id))
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            loss = out.loss.item()
-            if on_step is not None:
-                on_step(step + 1, loss)
-    model.eval()
-    return loss
 
 
 def build_embedded_model(

@@ -4,7 +4,8 @@ Shared by the learner (sender) and the hf engine server (receiver), so both side
 same layout from the same metadata. The flattened layout is SGLang's `load_format =
 "flattened_bucket"`: one uint8 buffer per bucket, tensors flattened and concatenated in the
 given name order, each tensor's byte offset rounded up to a multiple of its dtype's itemsize
-(so every slice can be viewed as that dtype without a copy).
+(so every slice can be viewed as that dtype without a copy). The sender's per-bucket choice of
+that layout or a broadcast per tensor (`load_format="auto"`) is `bucket_format`.
 """
 
 from __future__ import annotations
@@ -196,3 +197,28 @@ def lora_half(name: str) -> tuple[str, str] | None:
         if name.endswith("." + half):
             return half, name.removesuffix(half) + "weight"
     return None
+
+
+def with_last(it: Iterable) -> Iterator[tuple[object, bool]]:
+    """Each item of `it` with whether it is the last one (the sender's version rides on the
+    last bucket only)."""
+    it = iter(it)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+#: `load_format="auto"`: buckets whose tensors average at least this many bytes go per tensor.
+PER_TENSOR_MIN_BYTES = 1 << 20
+
+
+def bucket_format(bucket: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Per tensor (received straight into the parameters, no copies) when the tensors are large;
+    one flattened broadcast when they are small, where each collective's latency dominates."""
+    mean = sum(tensor_nbytes(t) for _, t in bucket) / len(bucket)
+    return None if mean >= PER_TENSOR_MIN_BYTES else "flattened_bucket"

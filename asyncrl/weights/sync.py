@@ -36,11 +36,13 @@ from asyncrl.net import in_daemon_thread
 from asyncrl.weights.buckets import (
     BucketLayoutError,
     StagingBuffer,
+    bucket_format,
     bucketize,
     dtype_name,
     flat_layout,
     flatten_bucket,
     tensor_nbytes,
+    with_last,
 )
 from asyncrl.weights.group import (
     broadcast,
@@ -121,29 +123,6 @@ class SyncStats:
     gb_per_s: float
     buckets: int
     tensors: int
-
-
-def _with_last(it: Iterable) -> Iterator[tuple[object, bool]]:
-    it = iter(it)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
-
-
-#: `load_format="auto"`: buckets whose tensors average at least this many bytes go per tensor.
-PER_TENSOR_MIN_BYTES = 1 << 20
-
-
-def _bucket_format(bucket: list[tuple[str, torch.Tensor]]) -> str | None:
-    """Per tensor (received straight into the parameters, no copies) when the tensors are large;
-    one flattened broadcast when they are small, where each collective's latency dominates."""
-    mean = sum(tensor_nbytes(t) for _, t in bucket) / len(bucket)
-    return None if mean >= PER_TENSOR_MIN_BYTES else "flattened_bucket"
 
 
 class WeightSender:
@@ -236,7 +215,7 @@ class WeightSender:
         """Send full tensors under HF names (floating ones cast to `dtype` if given).
 
         `load_format`: "flattened_bucket", None (one broadcast per tensor) or "auto" (chosen
-        per bucket by `_bucket_format`). `device`: the learner's `sync_device` now; it must
+        per bucket by `buckets.bucket_format`). `device`: the learner's `sync_device` now; it must
         be the one the group was formed on (None: that one)."""
         if self._group is None:
             raise WeightSyncError("no weight update group: call init_group first")
@@ -254,8 +233,8 @@ class WeightSender:
         converted = ((n, self._prepare(t, dtype)) for n, t in named_tensors)
         try:
             flat = load_format is not None  # one dtype per (possibly) flattened bucket
-            for bucket, last in _with_last(bucketize(converted, bucket_bytes, split_dtypes=flat)):
-                fmt = _bucket_format(bucket) if load_format == "auto" else load_format
+            for bucket, last in with_last(bucketize(converted, bucket_bytes, split_dtypes=flat)):
+                fmt = bucket_format(bucket) if load_format == "auto" else load_format
                 nbytes += await self._send_bucket(
                     bucket, version if last else None, fmt, False, nbuckets
                 )

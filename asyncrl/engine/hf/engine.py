@@ -25,16 +25,9 @@ them back at the head of the queue with their partial tokens and logprobs kept (
 continue they are re-prefilled from prompt + partial output and carry on); `in_place` just
 stops stepping (KV kept). In every mode new requests queue until `resume()`.
 
-Pinned requests (asyncrl's extension, `pin_weight_version` on /generate: a held-out evaluation
-of one step's weights): only the weights of that version serve them, so a weight update need
-not wait for them. Before the live weights change (a pause, a load, a new version), the
-requests pinned to the live version move, KV and all, to a kept lane: a copy of the model as
-it was (`keep_pinned`), which no update or pause touches and which each step decodes beside
-the live lane, until its last request ends, or, with a lease (`pinned_linger_s`, lanes.py),
-until none has used it for that long. At most `max_pinned_versions` are kept (past it the
-oldest that only a lease keeps goes, else the oldest, whose requests fail). A pin the engine
-cannot serve (another version, or the live one while it is being replaced) is refused (400)
-or, if that happened while it queued, failed.
+Pinned requests (asyncrl's extension, `pin_weight_version` on /generate): only the weights of
+that version serve them; before the live weights change, those pinned to the live version move
+to a kept copy of the model (`keep_pinned`; what is kept, for how long: pinning.py).
 
 No request takes the scheduler down: a step that raises fails the requests it was serving
 (prefill: the ones it admitted; decode: the running batch) with the error, drops their KV, and
@@ -45,6 +38,7 @@ failed, `alive` turns False and the server reports it (`/health`, `/health_gener
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -54,8 +48,9 @@ from collections.abc import Callable
 
 import torch
 
-from asyncrl.engine.hf import routes, schedule
+from asyncrl.engine.hf import checks, pinning, routes, schedule
 from asyncrl.engine.hf.batch import KVBatch, Seq, merge, sample
+from asyncrl.engine.hf.checks import describe
 from asyncrl.engine.hf.lanes import Lane, Lanes, StepLock, eos_ids
 
 log = logging.getLogger(__name__)
@@ -68,7 +63,7 @@ class EngineDeadError(RuntimeError):
 
 class HFEngine:
     """`max_pinned_versions`: weight versions besides the live one kept for pinned requests
-    (module docstring, "Pinned requests"); 0: a pinned request fails when its version goes.
+    (pinning.py); 0: a pinned request fails when its version goes.
     `pinned_linger_s`: each version's lease, from its last pinned request (0: none); `clock`
     times it."""
 
@@ -165,14 +160,8 @@ class HFEngine:
 
     def _check_prompt(self, seq: Seq) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"engine scheduler died: {_describe(self.error)}")
-        bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids has token {bad[0]} outside vocab [0, {self.vocab_size})")
-        if not seq.prompt:
-            raise ValueError("input_ids is empty")
-        if len(seq.prompt) >= self.max_context:
-            raise ValueError(f"prompt of {len(seq.prompt)} tokens >= context {self.max_context}")
+            raise EngineDeadError(f"engine scheduler died: {describe(self.error)}")
+        checks.check_prompt(seq, self.vocab_size, self.max_context)
         routes.check(self._lanes.live.tap, seq)
 
     def _check_pin(self, seq: Seq) -> None:
@@ -191,10 +180,7 @@ class HFEngine:
             for seq in seqs:
                 self._check_pin(seq)
             for seq in seqs:
-                if seq.params.temperature > 0:
-                    seed = seq.params.sampling_seed
-                    seed = self._seed_rng.getrandbits(63) if seed is None else seed
-                    seq.generator = random.Random(seed)
+                checks.seed_generator(seq, self._seed_rng)
                 self._lanes.touch(seq.pin)
                 if seq.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
@@ -239,25 +225,8 @@ class HFEngine:
         `max_pinned_versions` a kept version goes (`Lanes.evictee`; its requests fail). Caller
         holds `step_lock` (so no step is half done)."""
         with self._cond:
-            lanes, live = self._lanes, self._lanes.live
-            lanes.pinnable = False
-            if live.version in lanes.kept:  # kept already (a paused update's later buckets)
-                return
-            pinned = lambda s: s.pin == live.version  # noqa: E731
-            rows = [i for i, s in enumerate(live.running) if pinned(s)]
-            wanted = rows or any(pinned(s) for s in self._waiting)
-            if not wanted and not lanes.leased(live.version):
-                return
-            if lanes.max_kept == 0:
-                why = f"weight version {live.version} replaced (this engine keeps none)"
-                self._abort_where(pinned, why, error=True)
-                return
-            while len(lanes.kept) >= lanes.max_kept:
-                gone = lanes.evictee(list(self._waiting))
-                why = f"weight version {gone} dropped: {lanes.max_kept} kept at most"
-                self._abort_where(lambda s, v=gone: s.pin == v, why, error=True)
-                del lanes.kept[gone]
-            lanes.keep_live(rows)
+            fail = functools.partial(self._abort_where, error=True)
+            pinning.keep_pinned(self._lanes, self._waiting, fail)
 
     def num_requests(self) -> int:
         with self._cond:
@@ -297,7 +266,7 @@ class HFEngine:
             log.exception("hf engine scheduler died")
             self.error = e
             with self._cond:
-                self._abort_where(lambda s: True, f"engine scheduler died: {_describe(e)}", True)
+                self._abort_where(lambda s: True, f"engine scheduler died: {describe(e)}", True)
 
     def _step(self) -> None:
         """Admit waiting requests (prefill), then decode one token for every lane's running
@@ -348,11 +317,9 @@ class HFEngine:
         Caller holds `_cond`."""
         if not self._waiting:
             return []
-        queue = list(self._waiting)
-        ready = [s for s in queue if s.pin in self._lanes.kept] if self._paused else queue
-        admit = schedule.admit(ready, running, self.max_batch_size, busy, self._steps)
-        taken = {id(s) for s in admit}
-        self._waiting = deque(s for s in queue if id(s) not in taken)
+        admit, rest = schedule.take(self._waiting, self._lanes, self._paused, running,
+                                    self.max_batch_size, busy, self._steps)  # fmt: skip
+        self._waiting = deque(rest)
         return admit
 
     def _fail_step(self, seqs: list[Seq], what: str, e: Exception) -> bool:
@@ -360,7 +327,7 @@ class HFEngine:
         self.step_failures += 1
         for s in seqs:
             if s.finish is None:  # some may have finished within the step before it raised
-                self._fail(s, f"engine {what} step failed: {_describe(e)}")
+                self._fail(s, f"engine {what} step failed: {describe(e)}")
         return False
 
     def _wait_for_work(self) -> bool:
@@ -371,13 +338,7 @@ class HFEngine:
 
     def _has_work(self) -> bool:
         """Caller holds `_cond`."""
-        kept = self._lanes.kept
-        if any(lane.batch is not None for lane in kept.values()):
-            return True
-        if self._paused:  # a kept version's waiting request, and a free slot for it
-            free = sum(len(lane.running) for lane in self._lanes.all()) < self.max_batch_size
-            return free and any(s.pin in kept for s in self._waiting)
-        return bool(self._waiting) or self._lanes.live.batch is not None
+        return schedule.has_work(self._lanes, self._waiting, self._paused, self.max_batch_size)
 
     def _sample_and_retire(self, b: KVBatch, logits: torch.Tensor, lane: Lane) -> KVBatch | None:
         tokens, lps, errors = sample(logits, b.seqs)
@@ -390,17 +351,11 @@ class HFEngine:
             s.output_ids.append(tok)
             s.logprobs.append(lp)
             s.token_versions.append(lane.version)
-            stop = tok in s.params.stop_token_ids or (
-                tok in self.eos_ids and not s.params.ignore_eos
-            )
-            if stop:
-                self._finish(s, {"type": "stop", "matched": tok})
-            elif len(s.output_ids) >= s.params.max_new_tokens:
-                self._finish(s, {"type": "length", "length": s.params.max_new_tokens})
-            elif len(s.prompt) + len(s.output_ids) >= self.max_context:
-                self._finish(s, {"type": "length", "length": len(s.output_ids)})
-            else:
+            reason = checks.finish_reason(s, tok, self.eos_ids, self.max_context)
+            if reason is None:
                 keep.append(i)
+            else:
+                self._finish(s, reason)
         return b.select(keep)
 
     # ---- helpers (caller holds step_lock and/or _cond as noted) ---------------------------
@@ -438,11 +393,3 @@ class HFEngine:
             seq.on_done(seq)
         except Exception:  # a broken callback must not kill the scheduler
             log.exception("on_done callback failed for %s", seq.rid)
-
-
-def _describe(e: BaseException | None) -> str:
-    """One line for an exception: its type and the first line of its message."""
-    if e is None:
-        return "stopped"
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncrl.engine.hf.batch import Seq
-from asyncrl.engine.hf.lanes import Lane
+from asyncrl.engine.hf.lanes import Lane, Lanes
 
 #: Requests below this priority are background (SGLang's default priority: rollout's).
 FOREGROUND = 0
@@ -79,3 +79,33 @@ def due_lanes(lanes: Sequence[Lane], step: int) -> list[Lane]:
 def busy(lanes: Sequence[Lane]) -> bool:
     """Whether a foreground row runs in one of `lanes`."""
     return any(s.priority >= FOREGROUND for lane in lanes for s in lane.running)
+
+
+def take(
+    waiting: Sequence[Seq],
+    lanes: Lanes,
+    paused: bool,
+    running: Sequence[Seq],
+    max_batch: int,
+    busy: bool,
+    step: int,
+) -> tuple[list[Seq], list[Seq]]:
+    """(the waiting requests `admit` picks to join `running`, the rest of the queue in order);
+    while `paused`, only those a kept version serves are ready."""
+    queue = list(waiting)
+    ready = [s for s in queue if s.pin in lanes.kept] if paused else queue
+    picked = admit(ready, running, max_batch, busy, step)
+    taken = {id(s) for s in picked}
+    return picked, [s for s in queue if id(s) not in taken]
+
+
+def has_work(lanes: Lanes, waiting: Sequence[Seq], paused: bool, max_batch: int) -> bool:
+    """Whether a step has anything to do: a kept lane's rows to decode; while `paused`, a kept
+    version's waiting request and a free slot for it; else any waiting or live running row."""
+    kept = lanes.kept
+    if any(lane.batch is not None for lane in kept.values()):
+        return True
+    if paused:
+        free = sum(len(lane.running) for lane in lanes.all()) < max_batch
+        return free and any(s.pin in kept for s in waiting)
+    return bool(waiting) or lanes.live.batch is not None

@@ -13,7 +13,6 @@ version += 1 (every step, so admission opens per version even while the actor wa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,27 +23,28 @@ from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
-from asyncrl.learner import lean, lora, packing, routing
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import objective as obj
+from asyncrl.learner import packing, routing
 from asyncrl.learner.collate import collate
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
 from asyncrl.learner.reference import reference_spec
+from asyncrl.learner.torch import build, fsdp
 from asyncrl.learner.torch import critic as torch_critic
-from asyncrl.learner.torch import fsdp
 from asyncrl.learner.torch.policy import load_policy, load_reference
-from asyncrl.moe import checkpoint_tensors
+from asyncrl.learner.torch.state import TorchLearnerState
 from asyncrl.types import TrajectoryGroup
 
 
-class TorchLearner:
+class TorchLearner(TorchLearnerState):
     """`Learner` over a transformers causal LM. Receives only its own sub-configs:
     `actor_train` (`train`), `actor`, `algorithm`, `reference` (the KL reference policy's
     section; None: a frozen copy of the initial actor, see `asyncrl.learner.reference`) and
     `critic` (the value model's section; None: no critic). `total_steps`: the actor's optimizer
     steps over the run, its schedule's length (`BatchPlan.actor_optimizer_steps`);
-    `critic_total_steps` the critic's (None: `total_steps`)."""
+    `critic_total_steps` the critic's (None: `total_steps`). Its weights and state methods
+    (weight sync, HF export, checkpoint state) are `TorchLearnerState`'s."""
 
     def __init__(
         self,
@@ -89,18 +89,10 @@ class TorchLearner:
         if fsdp.sharded(world_size):
             fsdp.shard_learner(self.model, self.reference, train, device, policy.dtype)
         maybe_compile(self.model, actor.use_torch_compile)  # after sharding (FSDP2's order)
-        # Each group's prompt once per micro-batch where it may be, in the lean forward where
-        # that is taken (`learner/lean.py`); None: every row whole.
-        self.logits_fn = lean.training_logits_fn(self.model, train, actor, world_size)
-        self.route_tap = None  # the policy's forwards replay r3: the engines' routes; r2: its own
-        if actor.router_replay in ("r2", "r3"):  # after the reference's copy: it routes itself
-            self.route_tap = routing.enable(self.model)
-            self.logits_fn = None  # every row whole: the shared-prompt forwards take no routes
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = obj.make_optimizer(params, train.training_args, actor.optim)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, self._lr_lambda(total_steps)
-        )
+        # After the reference's copy (it routes itself): the training forward's lean shared-prompt
+        # logits, or the policy's routing replay (r3: the engines' routes; r2: its own).
+        self.logits_fn, self.route_tap = build.forward_path(self.model, train, actor, world_size)
+        self.optimizer, self.scheduler = build.optimization(self.model, train, actor, total_steps)
         self.loss_params = obj.loss_params(actor)
         self.loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
         self.critic: Critic | None = None
@@ -111,13 +103,7 @@ class TorchLearner:
         self.kl_ctrl = obj.kl_controller(algorithm)  # None unless use_kl_in_reward
         self.stochastic_forward = lp.has_dropout(self.model)
         # the dtypes the trained (and reference) weights are held in: tensors per dtype
-        self.dtype_metrics = _dtype_counts("learner/params_", self.model)
-        if self.reference is not None and self.reference is not self.model:
-            self.dtype_metrics |= _dtype_counts("learner/reference_params_", self.reference)
-
-    # -- construction helpers ----------------------------------------------------------------
-    def _lr_lambda(self, total_steps: int):
-        return obj.lr_factor(self.train.training_args, self.actor.optim, total_steps)
+        self.dtype_metrics = build.dtype_metrics(self.model, self.reference)
 
     # -- the update --------------------------------------------------------------------------
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -359,89 +345,3 @@ class TorchLearner:
         # Aggregate over the whole mini-batch, not per micro-batch (see common.micro_share).
         share = obj.micro_share(actor.loss_agg_mode, mask, len(idx), totals)
         return loss * share, metrics, float(share)
-
-    # -- weights and state -------------------------------------------------------------------
-    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under the checkpoint's HF names (fused experts split per expert:
-        `moe.checkpoint_tensors`; with LoRA: the adapter merged in). Sharded: one
-        all-gather per tensor, every rank in this order (distributed.py drains them)."""
-        if self.lora:
-            return checkpoint_tensors(lora.merged_tensors(self.model, self.sync_dtype))
-        return checkpoint_tensors(fsdp.full_tensors(self.model, self.sync_dtype))
-
-    @property
-    def sync_device(self) -> torch.device:
-        """This rank's device, where `weights_for_sync` yields (see `Learner.sync_device`)."""
-        return torch.device(self.device)
-
-    def adapter_for_sync(self) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """Only the LoRA adapter (`asyncrl.learner.lora.adapter_tensors`); None without LoRA."""
-        return lora.adapter_tensors(self.model) if self.lora else None
-
-    def save_pretrained(self, path: str | Path | None) -> None:
-        """HF export; with LoRA the merged model plus the PEFT adapter in `path/adapter`.
-        Sharded, every rank calls it (the gathers) and rank 0 writes."""
-        out = path if self.rank == 0 else None
-        if self.lora:
-            fsdp.save_full(self.model.get_base_model(), self.weights_for_sync(), out)
-            adapter = lora.whole_adapter(self.model)  # every rank: the adapter's gathers
-            if out is not None:
-                self.model.save_pretrained(Path(out) / "adapter", state_dict=adapter)
-        elif fsdp.sharded(self.world_size):  # gathered tensor by tensor
-            fsdp.save_full(self.model, self.weights_for_sync(), out)
-        else:
-            self.model.save_pretrained(path)
-
-    def pretrained_snapshot(self) -> Callable[[Path], None] | None:
-        """The HF export's tensors copied now, written by the returned call (async checkpoint
-        saves); None with LoRA (`save_pretrained` exports the adapter too, at once)."""
-        return None if self.lora else fsdp.pretrained_snapshot(self.model, self.weights_for_sync())
-
-    def close(self) -> None:
-        """Nothing to release: the model lives in this process."""
-
-    def _modules(self) -> dict[str, torch.nn.Module]:
-        """Checkpointed modules: the policy, the frozen initial actor (a configured one reloads)."""
-        frozen = self.reference is not None and self.reference_spec is None and not self.lora
-        return {"model": self.model, **({"reference": self.reference} if frozen else {})}
-
-    def sharded_state(self, optimizer: bool = True) -> dict[str, Any]:
-        """The model, optimizer and frozen reference for DCP (each rank its shards)."""
-        state = fsdp.dcp_state(self._modules(), self.optimizer if optimizer else None)
-        if self.critic is not None:  # its own part: its model and optimizer, sharded alike
-            state[torch_critic.DCP_KEY] = torch_critic.dcp_state(self.critic, optimizer)
-        return state
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a resume needs; sharded, model/optimizer/reference are in `sharded_state`."""
-        return {
-            **fsdp.model_state(self._modules(), self.optimizer, self.lora, self.world_size),
-            "lora": self.lora,
-            "scheduler": self.scheduler.state_dict(),
-            "version": self.version,
-            "critic": self.critic.state_dict() if self.critic is not None else None,
-            "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict` of any rank count (a sharded one reads `state["sharded_dir"]`)."""
-        rank = self.train.model_args.lora_rank
-        fsdp.load_model_state(self._modules(), self.optimizer, state, rank, self.world_size)
-        if "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-        # A checkpoint without them (saved before the critic or KL-in-reward was configured)
-        # leaves the fresh critic and the initial coefficient.
-        if self.critic is not None and state.get("critic") is not None:
-            torch_critic.load_state(self.critic, state["critic"], state.get("sharded_dir"))
-        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
-            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.version = int(state.get("version", self.version))
-
-
-def _dtype_counts(prefix: str, model: torch.nn.Module) -> dict[str, float]:
-    """`<prefix><torch dtype>`: how many of `model`'s parameter tensors are held in it."""
-    counts: dict[str, float] = {}
-    for p in model.parameters():
-        key = prefix + str(p.dtype).removeprefix("torch.")
-        counts[key] = counts.get(key, 0.0) + 1.0
-    return counts
