@@ -186,15 +186,16 @@ def score(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Rollouts of the bf16 engine on `args.prompts` held-out prompts, scored off and r3 in
     fp32; plus the responses' mean length."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from asyncrl.data.synthetic import EMBEDDED_TASK, make_rows
+    from asyncrl.data.tokenizer import model_tokenizer
     from asyncrl.engine.hf.batch import SamplingParams
     from asyncrl.learner import routing
     from asyncrl.models.generate import render_prompts
 
     torch.manual_seed(args.seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = model_tokenizer(model_dir)
     rows = make_rows(EMBEDDED_TASK, "heldout", args.prompts, args.seed)
     texts = render_prompts(tok, [r["prompt"] for r in rows], "none")
     ids = tok(texts, add_special_tokens=False)["input_ids"]

@@ -179,13 +179,14 @@ def heldout_rows(cfg: Any, n: int) -> list[dict[str, Any]]:
 
 def heldout_accuracy(model_dir: Path, rows: list[dict], cfg: Any, threads: int = 2) -> float:
     """Greedy accuracy of the HF model in `model_dir`: the one evaluator for every system."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from asyncrl.data.tokenizer import model_tokenizer
     from asyncrl.models.tiny import evaluate_accuracy
     from asyncrl.threads import torch_threads
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = model_tokenizer(model_dir)
     with torch_threads(threads):
         return evaluate_accuracy(model, tokenizer, rows, cfg.response_length,
                                  template=cfg.actor_train.data_args.template)  # fmt: skip
@@ -245,9 +246,10 @@ def trl_worker(spec_path: Path) -> int:
     scored, in order, to run.json; the final model to model/."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from asyncrl.data.tokenizer import model_tokenizer
     from asyncrl.rewards.registry import get_reward_fn
 
     spec = json.loads(spec_path.read_text())
@@ -269,7 +271,7 @@ def trl_worker(spec_path: Path) -> int:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, train_dataset=Dataset.from_list(spec["rows"]),
-        processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+        processing_class=model_tokenizer(spec["model_dir"]),
         args=GRPOConfig(output_dir=str(out / "trainer"), **spec["grpo"]), callbacks=[StepEnds()],
     )  # fmt: skip
     trainer.train()

@@ -38,8 +38,10 @@ def test_the_named_class_loads_the_tokenizer_autotokenizer_loads(tiny_model):
     assert direct.get_vocab() == auto.get_vocab()
 
 
-def test_no_name_or_a_name_not_transformers_own_goes_through_autotokenizer(tiny_model):
-    auto_type = type(AutoTokenizer.from_pretrained(tiny_model))
+def test_no_name_or_a_name_not_transformers_own_loads_as_the_directory_names_it(tiny_model):
+    from asyncrl.data.tokenizer import model_tokenizer
+
+    auto_type = type(model_tokenizer(tiny_model))
     for name in ("", "NoSuchTokenizer", "logging", "AutoConfig"):
         assert type(load_tokenizer(tiny_model, name)) is auto_type, name
 
@@ -138,3 +140,25 @@ def test_a_rollout_worker_that_only_decodes_never_imports_transformers(tiny_mode
         input=plain_decoder_json(auto), capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert out.stdout.split() == ["PlainDecoder", "False", "False"]
+
+
+def test_the_embedded_models_tokenizer_keeps_every_character_it_was_trained_on(tiny_model):
+    """The embedded model is warm-started on text its character-level tokenizer encoded with
+    spaces and newlines; transformers 5's AutoTokenizer picks Qwen2Tokenizer for its qwen2
+    config and rebuilds it byte-level, which drops them. What a run encodes with
+    (`model_tokenizer`, the driver's prompts; the workers load its class) keeps them."""
+    from pathlib import Path
+
+    from asyncrl.config import load_config
+    from asyncrl.data.prompts import PromptSource
+    from asyncrl.data.tokenizer import model_tokenizer
+
+    text = "Guess a number between 1 and 100.\nYour guess: 42 (too low)"
+    tok = model_tokenizer(tiny_model)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and len(ids) == len(text)  # one id per character
+    assert tok.unk_token_id not in ids
+    source = PromptSource(load_config(None, []), Path(tiny_model))
+    assert source.tokenizer.encode(text, add_special_tokens=False) == ids
+    worker = load_tokenizer(tiny_model, tokenizer_class_name(source.tokenizer))
+    assert worker.encode(text, add_special_tokens=False) == ids

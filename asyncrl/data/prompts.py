@@ -75,9 +75,9 @@ class PromptSource:
     a position that round-trips through `state_dict`; and the held-out prompts. Thread-safe."""
 
     def __init__(self, cfg: Config, model_dir: Path) -> None:
-        from transformers import AutoTokenizer
+        from asyncrl.data.tokenizer import model_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = model_tokenizer(model_dir)
         self.data_args = cfg.actor_train.data_args
         self.prompt_length = cfg.prompt_length
         self.seed = cfg.seed

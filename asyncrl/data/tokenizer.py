@@ -1,14 +1,15 @@
-"""The tokenizer a process loads: the class AutoTokenizer picks, loaded straight; or, where
+"""The tokenizer a process loads: the class its model directory names (`model_tokenizer`:
+AutoTokenizer, except for a generic fast tokenizer, loaded as saved), loaded straight; or, where
 decoding is all a process does, the `tokenizers` library alone.
 
 transformers' AutoTokenizer imports its configuration machinery, which imports torch
 (transformers 5: `configuration_utils` -> `modeling_rope_utils` -> torch): 1.9 s of CPU and
 ~300 MB in every rollout worker, a process that otherwise never needs torch. So the driver
-resolves the class once through AutoTokenizer (`tokenizer_class_name`) and hands its name to
+resolves the class once (`model_tokenizer`, `tokenizer_class_name`) and hands its name to
 the workers (`RolloutSettings.tokenizer_class`); a worker loads that very class from the same
 directory (`load_tokenizer`), which is what AutoTokenizer itself ends with once it has chosen
 the class (its other arguments are a hub revision and telemetry: nothing for a local
-directory). A class that is not transformers' own (remote code), or no name: AutoTokenizer.
+directory). A class that is not transformers' own (remote code), or no name: `model_tokenizer`.
 
 Even without torch, importing transformers costs a rollout worker ~1 s of CPU at start (the
 2-core box, 2026-11-28), and a single-turn worker only decodes responses for the reward. A
@@ -29,22 +30,48 @@ from typing import Any
 
 def tokenizer_class_name(tokenizer: Any) -> str:
     """The name under which `transformers` exports `tokenizer`'s class; '' if it does not
-    (remote code, a wrapper): `load_tokenizer` then goes through AutoTokenizer."""
+    (remote code, a wrapper): `load_tokenizer` then goes through `model_tokenizer`."""
     import transformers
 
     cls = type(tokenizer)
     return cls.__name__ if getattr(transformers, cls.__name__, None) is cls else ""
 
 
+#: The tokenizer classes that mean "the backend in tokenizer.json, as it is" (transformers 4's
+#: and 5's names of the generic fast tokenizer).
+GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def model_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of model directory `path` as its `tokenizer_config.json` names it. A
+    generic fast tokenizer (`GENERIC_FAST`: the embedded model's character-level one) loads
+    as it was saved: transformers 5's AutoTokenizer goes by the model type instead (qwen2 ->
+    Qwen2Tokenizer) and rebuilds its pipeline byte-level, which drops every space and newline
+    of the embedded model's vocabulary (transformers 4 honoured the saved class). Any other
+    through AutoTokenizer."""
+    import json
+
+    import transformers
+
+    try:
+        saved = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if isinstance(saved, dict) and saved.get("tokenizer_class") in GENERIC_FAST:
+        return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 def load_tokenizer(path: str | Path, class_name: str = "") -> Any:
     """The tokenizer of the model directory `path`: `transformers.<class_name>` (a name from
-    `tokenizer_class_name`) loaded directly when it is a tokenizer class, else `AutoTokenizer`."""
+    `tokenizer_class_name`) loaded directly when it is a tokenizer class, else
+    `model_tokenizer`."""
     import transformers
 
     cls = getattr(transformers, class_name, None) if class_name else None
     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
         return cls.from_pretrained(path)
-    return transformers.AutoTokenizer.from_pretrained(path)
+    return model_tokenizer(path)
 
 
 def _defined_by(cls: type, name: str) -> type | None:
