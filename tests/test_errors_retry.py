@@ -109,7 +109,7 @@ def run_one(tok_dir, statuses: list[int], item: PromptItem, **rollout: Any):
             [result] = await worker.run_prompts([item])
         finally:
             await worker.aclose()
-            assert all(c._session is None for c in worker.builder.clients)  # closed, not left
+            assert all(c.http._session is None for c in worker.builder.clients)  # closed, not left
             await runner.cleanup()
         return result
 
