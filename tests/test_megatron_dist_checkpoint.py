@@ -44,14 +44,7 @@ QUICK = ()  # each case runs two sets of Megatron processes (a minute or two): `
 def test_a_sharded_checkpoint_resumes_onto_another_layout(tmp_path, tiny_model, case):
     pytest.importorskip("megatron.core")
     saved, resumed = CASES[case]
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, str(HERE / "megatron_dist_ckpt.py"), str(tiny_model), str(out),
-           json.dumps(saved), json.dumps(resumed)]  # fmt: skip
-    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHONPATH": path})  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = _script(tmp_path, tiny_model, json.dumps(saved), json.dumps(resumed))
     # the bar of the Megatron learner's other equality tests (against the torch learner)
     assert result["resumed_weight_max_diff"] < 1e-5, result
     # the moments matter: without them the same step lands elsewhere
@@ -61,15 +54,20 @@ def test_a_sharded_checkpoint_resumes_onto_another_layout(tmp_path, tiny_model, 
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
 
 
-def _in_place(tmp_path: Path, model: Path, mode: str) -> dict:
-    pytest.importorskip("megatron.core")
+def _script(tmp_path: Path, model: Path, *args: str) -> dict:
+    """`megatron_dist_ckpt.py MODEL OUT *args` in a process of its own: its result."""
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(HERE / "megatron_dist_ckpt.py"), str(model), str(out), mode]
+    cmd = [sys.executable, str(HERE / "megatron_dist_ckpt.py"), str(model), str(out), *args]
     path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "PYTHONPATH": path})  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def _in_place(tmp_path: Path, model: Path, mode: str) -> dict:
+    pytest.importorskip("megatron.core")
+    result = _script(tmp_path, model, mode)
     assert result["resumed_weight_max_diff"] < 1e-5, result
     assert result["weights_only_weight_max_diff"] > 1e-4, result
     for key, (want, got) in result["metrics"].items():

@@ -336,13 +336,7 @@ def lag_sums(
     """
     check_same_shape(weights=weights, mask=mask)
     check_choice("rollout_is_level", level, IS_LEVELS)
-    if tuple(lags.shape) != tuple(weights.shape[:1]):
-        raise ValueError(
-            f"lags must hold one staleness per row: got {list(lags.shape)} for "
-            f"{weights.shape[0]} rows"
-        )
-    if lags.numel() and int(lags.min()) < 0:
-        raise ValueError(f"lags must be >= 0 (a row newer than the learner?); got {lags.tolist()}")
+    _check_lags(lags, weights.shape[0])
     valid = mask.bool()
     kept = torch.where(valid, weights.detach().to(torch.float64), 0.0)
     if level == "token":
@@ -357,6 +351,16 @@ def lag_sums(
     return torch.zeros(size, 3, dtype=torch.float64).index_add_(0, unit_lag, columns)
 
 
+def _check_lags(lags: torch.Tensor, rows: int) -> None:
+    """One staleness per row, none negative (ValueError in one line otherwise)."""
+    if tuple(lags.shape) != (rows,):
+        raise ValueError(
+            f"lags must hold one staleness per row: got {list(lags.shape)} for {rows} rows"
+        )
+    if lags.numel() and int(lags.min()) < 0:
+        raise ValueError(f"lags must be >= 0 (a row newer than the learner?); got {lags.tolist()}")
+
+
 def kl_lag_sums(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor
 ) -> torch.Tensor:
@@ -367,17 +371,12 @@ def kl_lag_sums(
     the two policies agree; its mean over a lag's tokens is how far the policy has moved from
     the one that generated that lag's tokens (plus the engine's numerical mismatch)."""
     check_same_shape(old=old, rollout=rollout, mask=mask)
-    if tuple(lags.shape) != tuple(old.shape[:1]):
-        raise ValueError(
-            f"lags must hold one staleness per row: got {list(lags.shape)} for {old.shape[0]} rows"
-        )
+    _check_lags(lags, old.shape[0])
     valid = mask.bool()
     lr = (old.detach().to(torch.float64) - rollout.detach().to(torch.float64))[valid]
     lr = lr.clamp(max=mm.METRIC_LOG_BOUND)
     k3 = (torch.exp(lr) - lr - 1.0).cpu()
     unit_lag = lags.unsqueeze(-1).expand_as(valid)[valid].cpu().to(torch.int64)
-    if unit_lag.numel() and int(unit_lag.min()) < 0:
-        raise ValueError(f"lags must be >= 0 (a row newer than the learner?); got {lags.tolist()}")
     size = int(unit_lag.max()) + 1 if unit_lag.numel() else 0
     columns = torch.stack((k3, torch.ones_like(k3)), dim=-1)
     return torch.zeros(size, 2, dtype=torch.float64).index_add_(0, unit_lag, columns)
