@@ -232,10 +232,12 @@ def prox_from_training_forward(
     micro-batch's forward runs the weights that are the proximal policy; a deterministic
     forward (no dropout); and nothing that reads the whole batch's proximal logprobs before the
     first micro-batch's loss: KL-in-reward (the advantages), rejection sampling and batch
-    normalisation of the IS weights (the mask and weights of every row). Rollout IS weights are
-    per row, so each micro-batch computes its own; the metrics come from the whole batch."""
+    normalisation of the IS weights (the mask and weights of every row); nor with routing
+    replay r2, which replays the routes that separate pass records. Rollout IS weights are per
+    row, so each micro-batch computes its own; the metrics come from the whole batch."""
     return (
         alg.correction_mode == "decoupled"
+        and actor.router_replay != "r2"
         and optimizer_steps(rows, step_size, actor.ppo_epochs) == 1
         and not stochastic_forward
         and not alg.use_kl_in_reward

@@ -115,14 +115,8 @@ class TorchLearner(TorchLearnerState):
         total_rows = data["input_ids"].shape[0]
         pad = 1.0 - float(data["attention_mask"].float().mean())
         warmup = self.critic is not None and self.version < self.algorithm.critic_warmup
-        # r2 replays the routes of a separate old-policy pass: the training forward stands in
-        # for none
-        reuse = (
-            not warmup
-            and self.actor.router_replay != "r2"
-            and obj.prox_from_training_forward(
-                self.algorithm, self.actor, total_rows, self.stochastic_forward, self.step_size
-            )
+        reuse = not warmup and obj.prox_from_training_forward(
+            self.algorithm, self.actor, total_rows, self.stochastic_forward, self.step_size
         )
         if self.world_size > 1:  # batch-level advantages see every row, then each its shard
             data, prep, metrics, adv_metrics = self._sharded_advantages(data, total_rows, reuse)
