@@ -70,11 +70,12 @@ def compare(worker, batch: list) -> dict[str, dict[str, float]]:
     """{temperature: {logprob, entropy, grad (max abs diff), grad_scale (max abs gradient)}}
     of this rank (logprob/entropy NaN off the last stage)."""
     from asyncrl.learner.megatron.batch import shard_rows
+    from asyncrl.learner.megatron.data_parallel import dp_ranks
 
     data = worker._data(batch)
     rows = data["tokens"].shape[0]
     dev = data["tokens"].device
-    dp, dp_rank, last = worker._ranks()
+    dp, dp_rank, last = dp_ranks()
     mine = shard_rows(rows, dp, dp_rank).to(dev)
     size = worker.train.training_args.per_device_train_batch_size
     micro = worker._micro(mine, size, mine[:1])

@@ -18,16 +18,17 @@ Context parallel: each row is split along the sequence (Megatron's load-balanced
 [B, R] values are summed over the CP group, so the loss and its aggregation are exactly those
 without CP. Virtual pipeline: the model is a list of chunks and Megatron's interleaved
 schedule runs them; the micro-batch count is made a multiple of PP (dead micro-batches weigh 0).
+
+The weights and state methods (export, HF load, optimizer state, sharded checkpoints) are
+`MegatronWorkerState`'s (`state.py`); the data-parallel collectives are `data_parallel.py`'s.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -48,12 +49,13 @@ from asyncrl.learner.megatron.build import (
     wrap,
 )
 from asyncrl.learner.megatron.compat import split_for_cp_rank
+from asyncrl.learner.megatron.data_parallel import dp_ranks, gather_rows, mean_metrics
 from asyncrl.learner.megatron.head import head_weight, pass_hidden, response_logprobs
 from asyncrl.learner.megatron.logits import token_logprobs
 from asyncrl.learner.megatron.name_mapping import ModelShape
 from asyncrl.learner.megatron.reference import megatron_reference
 from asyncrl.learner.megatron.replay import align_routes, make_replayer, replay_metrics, unalign
-from asyncrl.learner.megatron.weights import export_hf, export_with_bridge, load_hf_into, save_hf
+from asyncrl.learner.megatron.state import MegatronWorkerState
 from asyncrl.learner.objective import (
     advantage_metrics,
     batch_advantages,
@@ -78,7 +80,7 @@ def require_megatron() -> None:
         ) from None
 
 
-class MegatronWorker:
+class MegatronWorker(MegatronWorkerState):
     def __init__(self, model_path, train, actor, algorithm, temperature, total_steps, seed=0,
                  rank=0, world_size=1, init_method=None, device: DeviceSpec | None = None,
                  local_device=0, reference=None) -> None:  # fmt: skip
@@ -110,7 +112,7 @@ class MegatronWorker:
         init_parallel(self.plan, seed, getattr(init_method, "timeout_s", None))
         # Sequences per optimizer step by the plan's rule (`asyncrl.config.plan`): the steps
         # taken are those the schedule (`lr_factor`) was sized for.
-        self.step_size = step_size(actor, train.training_args, self._ranks()[0])
+        self.step_size = step_size(actor, train.training_args, dp_ranks()[0])
         self.built = self._build(self.model_path, trainable=True)
         self.reference = None
         if actor.use_kl_loss:  # the reference policy: frozen, the actor's layout and dtype
@@ -143,28 +145,6 @@ class MegatronWorker:
             built = build_builtin(self.plan, self.shape, path, self.device, trainable)
         pass_hidden(built.chunks)
         return built
-
-    # -- parallel helpers --------------------------------------------------------------------
-    def _ranks(self) -> tuple[int, int, bool]:
-        from megatron.core import parallel_state as ps
-
-        last = ps.is_pipeline_last_stage()
-        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), last
-
-    def _gather_rows(self, part: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-        """Concatenate every DP rank's contiguous row shard (last pipeline stage only)."""
-        from megatron.core import parallel_state as ps
-
-        dp, _, last = self._ranks()
-        if not last or dp == 1:
-            return part
-        width = -(-rows // dp)
-        padded = torch.zeros(width, *part.shape[1:], dtype=part.dtype, device=part.device)
-        padded[: len(part)] = part
-        out = torch.empty(dp * width, *part.shape[1:], dtype=part.dtype, device=part.device)
-        torch.distributed.all_gather_into_tensor(out, padded, group=ps.get_data_parallel_group())
-        keep = [torch.arange(len(shard_rows(rows, dp, r))) + r * width for r in range(dp)]
-        return out[torch.cat(keep).to(out.device)]
 
     # -- logprobs ---------------------------------------------------------------------------
     def _token_logprobs(self, output: torch.Tensor, weight: torch.Tensor | None, data: dict,
@@ -214,7 +194,7 @@ class MegatronWorker:
     def _batched_logprobs(self, model: list, data: dict, batch_size: int) -> torch.Tensor | None:
         """Logprobs of every row of the batch (each DP rank scores its shard, `batch_size`
         rows a pass, then gather)."""
-        dp, dp_rank, last = self._ranks()
+        dp, dp_rank, last = dp_ranks()
         rows = data["tokens"].shape[0]
         dev = data["tokens"].device
         mine = shard_rows(rows, dp, dp_rank).to(dev)
@@ -231,7 +211,7 @@ class MegatronWorker:
         if last:
             live = [o["logprobs"] for o in outs if o["live"]]
             part = torch.cat(live) if live else outs[0]["logprobs"][:0]
-        return self._gather_rows(part, rows)
+        return gather_rows(part, rows)
 
     # -- the update --------------------------------------------------------------------------
     def _data(self, groups: list) -> dict[str, torch.Tensor]:
@@ -240,7 +220,7 @@ class MegatronWorker:
         where = torch.cuda.current_device() if self.device.kind == "cuda" else None
         data = collate(groups, self.pad_id).to_torch(where or self.device.torch_device())
         data["response_mask"] = data["response_mask"].float()
-        if data["input_ids"].shape[0] < self._ranks()[0]:
+        if data["input_ids"].shape[0] < dp_ranks()[0]:
             raise ValueError("the rollout batch has fewer sequences than data-parallel ranks")
         cp = self.config.context_parallel_size
         tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
@@ -291,7 +271,7 @@ class MegatronWorker:
             "learner/tokens": float(data["response_mask"].sum()),
             "learner/sequences": float(data["response_mask"].shape[0]),
         })  # fmt: skip
-        return metrics if self._ranks()[2] else {}
+        return metrics if dp_ranks()[2] else {}
 
     def _prepare(self, data: dict) -> tuple[dict | None, dict[str, float]]:
         alg = self.algorithm
@@ -301,7 +281,7 @@ class MegatronWorker:
         ref = None
         if self.reference is not None:
             ref = self._batched_logprobs(self.reference, data, self.reference_batch_size)
-        if not self._ranks()[2]:
+        if not dp_ranks()[2]:
             return None, {}
         rollout, mask = data["rollout_logprobs"], data["response_mask"]
         old = select_old_log_prob(alg.correction_mode, rollout, recomputed)
@@ -314,7 +294,7 @@ class MegatronWorker:
     def _optimise(self, data: dict, prep: dict | None) -> dict[str, float]:
         rows = data["tokens"].shape[0]
         gen = torch.Generator().manual_seed(self.version)
-        dp, dp_rank, _ = self._ranks()
+        dp, dp_rank, _ = dp_ranks()
         sums: dict[str, float] = {}
         updates = 0
         for _ in range(self.actor.ppo_epochs):
@@ -333,7 +313,7 @@ class MegatronWorker:
         """One optimizer step: Megatron divides each micro-batch loss by their number and DDP
         averages over DP ranks; the loss is scaled back so the gradient is the mini-batch's.
         (Under CP Megatron also multiplies the loss by CP and DDP averages over DP x CP.)"""
-        dp, _, last = self._ranks()
+        dp, _, last = dp_ranks()
         dev = data["tokens"].device
         size = self.train.training_args.per_device_train_batch_size
         # A rank with no rows (or too few) runs dead passes: collectives stay matched.
@@ -352,7 +332,7 @@ class MegatronWorker:
             group["lr"] = self.train.training_args.learning_rate * self.lr_factor(self.lr_step)
         _, grad_norm, _ = self.optimizer.step()
         self.lr_step += 1
-        metrics = self._mean_metrics(outs) if last else {}
+        metrics = mean_metrics(outs) if last else {}
         metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         return metrics
 
@@ -370,77 +350,3 @@ class MegatronWorker:
         # A dead micro-batch (no rows of this rank's) weighs nothing, its metrics neither.
         metrics["_share"] = float(share)
         return loss * share * scale, metrics
-
-    def _mean_metrics(self, outs: list) -> dict[str, float]:
-        """Metrics weighed like the loss, as the torch learner does: each micro-batch by its
-        share of the whole mini-batch (tokens or sequences over every DP rank), summed over
-        micro-batches and DP ranks; so they do not depend on how rows are split."""
-        from megatron.core import parallel_state as ps
-
-        keys = sorted(k for k in outs[0] if k != "_share")
-        vals = torch.tensor([sum(o[k] * o["_share"] for o in outs) for k in keys],
-                            dtype=torch.float64, device=torch.cuda.current_device())  # fmt: skip
-        torch.distributed.all_reduce(vals, group=ps.get_data_parallel_group())
-        return dict(zip(keys, vals.tolist(), strict=True))
-
-    # -- weights and state -------------------------------------------------------------------
-    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.plan.ddp.get("overlap_param_gather"):
-            for chunk in self.chunks:
-                chunk.start_param_sync(force_sync=True)
-        if self.built.bridge is not None:
-            return export_with_bridge(self.built.bridge, self.chunks)
-        return export_hf(self.chunks, self.shape, self.built.te, self.built.layout)
-
-    def load_hf(self, named: dict[str, torch.Tensor]) -> None:
-        """Load full HF-named tensors (a checkpoint's model) into this rank's shards."""
-        from megatron.core import parallel_state as ps
-
-        if self.built.bridge is not None:
-            import tempfile
-
-            with tempfile.TemporaryDirectory() as tmp:
-                save_hf(iter(named.items()), self.model_path, Path(tmp))
-                self.built.bridge.load_hf_weights(self.chunks, hf_path=tmp)
-        else:
-            stage = self.built.layout[ps.get_pipeline_model_parallel_rank()]
-            for chunk, (offset, _) in zip(self.chunks, stage, strict=True):
-                load_hf_into(chunk, named.__getitem__, self.shape, self.built.te, offset)
-        self.optimizer.reload_model_params()  # refresh the fp32 main copies from the model
-
-    def optimizer_layout(self) -> dict[str, Any]:
-        """The parallel layout this rank's optimizer state belongs to."""
-        from asyncrl.learner.megatron.optim_state import parallel_layout
-
-        distributed = bool(self.plan.ddp.get("use_distributed_optimizer"))
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        return parallel_layout(self.plan.parallel, world, distributed)
-
-    def optimizer_state(self) -> list[dict[str, Any]]:
-        """This rank's optimizer state (its shard's), on the CPU."""
-        from asyncrl.learner.megatron.optim_state import rank_state
-
-        return rank_state(self.optimizer)
-
-    def load_optimizer_state(self, state: list[dict[str, Any]]) -> None:
-        """Restore `optimizer_state` of this rank (after the weights: it carries the fp32 main
-        parameters, more exact than the bf16 model's)."""
-        from asyncrl.learner.megatron.optim_state import load_rank_state
-
-        load_rank_state(self.optimizer, state)
-
-    def save_sharded(self, path: str, optimizer: bool) -> None:
-        """This rank's shards of the model (and `optimizer` state) into the shared directory
-        `path`, by Megatron's distributed checkpointing (`dist_ckpt`; every rank calls it)."""
-        from asyncrl.learner.megatron import dist_ckpt
-
-        if self.plan.ddp.get("overlap_param_gather"):  # the model holds the last step's weights
-            for chunk in self.chunks:
-                chunk.start_param_sync(force_sync=True)
-        dist_ckpt.save(self.chunks, self.optimizer, path, optimizer)
-
-    def load_sharded(self, path: str, optimizer: bool) -> None:
-        """This rank's pieces of a `save_sharded` directory written by any layout."""
-        from asyncrl.learner.megatron import dist_ckpt
-
-        dist_ckpt.load(self.chunks, self.optimizer, path, optimizer)
