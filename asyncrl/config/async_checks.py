@@ -35,6 +35,11 @@ def check_auto_staleness(cfg: Config) -> None:
                 f"async.target_kl steers max_staleness: auto, but the bound is fixed at "
                 f"{a.max_staleness}: set max_staleness: auto, or target_kl: null"
             )
+        if a.staleness_signal != "sequence":
+            raise ConfigError(
+                f"async.staleness_signal steers max_staleness: auto, but the bound is fixed at "
+                f"{a.max_staleness}: set max_staleness: auto, or leave staleness_signal unset"
+            )
         return
     if a.max_staleness_hard < 1:
         raise ConfigError(
