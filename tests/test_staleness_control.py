@@ -325,3 +325,33 @@ def test_staleness_signal_reaches_the_controller_and_is_checked():
         load_config(None, [*auto, "async.staleness_signal=tokens"])
     with pytest.raises(ConfigError, match=r"async.staleness_signal steers max_staleness: auto"):
         load_config(None, ["async.max_staleness=2", "async.staleness_signal=weights"])
+
+
+def test_lags_are_read_over_the_lag0_floor_no_bound_changes():
+    """Engine/learner numerics alone give lag 0 an ESS of 0.5 (long responses): lag 1 at 0.4
+    is 0.8 of that, on target; without the floor every bound would look off target."""
+    ctl = controller(hard=4, start=1, tighten_after=1, relax_after=2)
+    decisions = [ctl.observe(step({0: 0.5, 1: 0.4})) for _ in range(2)]
+    assert ctl.floor == pytest.approx(0.5) and [d.bound for d in decisions] == [1, 2]
+    assert decisions[1].signal == pytest.approx(0.8)
+    broken = ctl.observe(step({1: 0.4, 2: 0.3}))  # 0.6 of the floor at lag 2: off target
+    assert broken.bound == 1 and "over lag 0's 0.500 at lag 2 0.600 < target 0.7" in broken.reason
+    # the floor is the mean of the lag-0 ESS measured so far; too few units or NaN: not read
+    for ess, units in ((0.9, 64), (0.1, 7), (float("nan"), 64)):
+        ctl.observe(step({0: ess}, units=units))
+    assert ctl.floor == pytest.approx((0.5 + 0.5 + 0.9) / 3)
+    assert controller().floor == 1.0  # nothing measured: the ESS as it is
+
+
+def test_the_floor_round_trips_and_an_older_state_starts_it_afresh():
+    ctl = controller(tighten_after=1)
+    run(ctl, [step({0: 0.6, 1: 0.9})] * 3)
+    back = controller(tighten_after=1)
+    back.load_state_dict(ctl.state_dict())
+    assert back.floor == pytest.approx(0.6) and back.state_dict() == ctl.state_dict()
+    older = {k: v for k, v in ctl.state_dict().items() if not k.startswith("floor")}
+    fresh = controller(tighten_after=1)
+    fresh.load_state_dict(older)
+    assert fresh.floor == 1.0 and fresh.bound == ctl.bound
+    with pytest.raises(ValueError, match="out of range"):
+        controller().load_state_dict({**ctl.state_dict(), "floor_sum": 5.0})

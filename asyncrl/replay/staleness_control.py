@@ -23,6 +23,15 @@ that hold at least `min_units` units. Which ESS (`signal`):
   geometric IS truncated at 2: 0.97-0.99 at lag 4, where the sequence ratios' ESS is 0.4-0.95
   and bound 4 trained 2.2 points under bound 2 over 6 seeds).
 
+**The numerical floor.** Lag 0's ESS is what no bound changes: the engine's and the learner's
+numerics differ (bf16 kernels, another attention), and over long responses that alone can
+pull the sequence ratios' ESS far under any target. The controller keeps the mean lag-0 ESS
+it has measured (over steps with at least `min_units` lag-0 units; 1 before any) and reads
+each lag's ESS relative to it, min(1, ESS_k / floor): for a log-normal ratio the ESS is
+exp(-σ²) and independent log-ratio parts add their variances, so the ratio is the ESS of the
+staleness's own part. Lag-0 rows are common at the start of a run (bound 1, the first
+batches); a CPU run with the learner's own numerics in the engine has a floor of exactly 1.
+
 With a KL target (`target_kl`), each lag's mean per-token k3 KL between the behaviour and the
 learner's policy, `is/kl_by_lag/<k>`, is read too. A lag breaks the target when its ESS is
 below `target_ess` or its KL above `target_kl`. Then:
@@ -150,6 +159,9 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
+_COUNTERS = ("bound", "breaches", "healthy", "relax_wait", "last", "changes")
+
+
 class StalenessController:
     """The bound and the counters that move it (see the module docstring)."""
 
@@ -161,10 +173,25 @@ class StalenessController:
         self.relax_wait = settings.relax_after  # healthy steps the next relax needs
         self.last = 0  # the last change's sign: +1 relaxed, -1 tightened, 0 none yet
         self.changes = 0
+        self.floor_sum, self.floor_steps = 0.0, 0  # lag 0's ESS, summed over measured steps
+
+    @property
+    def floor(self) -> float:
+        """The mean lag-0 ESS measured so far (1.0 before any; see the module doc)."""
+        return self.floor_sum / self.floor_steps if self.floor_steps else 1.0
+
+    def _relative(self, metrics: Mapping[str, Any]) -> dict[int, float]:
+        """This step's admitted lags' ESS over the floor (after adding lag 0's, if measured)."""
+        ess, units = SIGNALS[self.s.signal]
+        lag0 = metrics.get(f"{ess}0")
+        if (metrics.get(f"{units}0", 0) or 0) >= self.s.min_units and _finite(lag0) and lag0 > 0:
+            self.floor_sum, self.floor_steps = self.floor_sum + min(1.0, lag0), self.floor_steps + 1
+        measured = stale_ess(metrics, self.bound, self.s.min_units, self.s.signal)
+        return {lag: min(1.0, value / self.floor) for lag, value in measured.items()}
 
     def observe(self, metrics: Mapping[str, Any]) -> Decision:
         """One learner step's metrics in; the bound (changed or not) out."""
-        ess = stale_ess(metrics, self.bound, self.s.min_units, self.s.signal)
+        ess = self._relative(metrics)
         signal = min(ess.values(), default=None)
         broken = self._broken(ess, metrics)
         self.breaches, self.healthy = (self.breaches + 1, 0) if broken else (0, self.healthy + 1)
@@ -181,6 +208,8 @@ class StalenessController:
     def _broken(self, ess: dict[int, float], metrics: Mapping[str, Any]) -> dict[int, str]:
         """{lag: what it broke} of the admitted lags off target this step."""
         name = "sequence-ratio ESS" if self.s.signal == "sequence" else "IS weights' ESS"
+        if self.floor < 1.0:
+            name = f"{name} over lag 0's {self.floor:.3f}"
         out = {lag: f"{name} at lag {lag} {value:.3f} < target {self.s.target_ess:g}"
                for lag, value in ess.items() if value < self.s.target_ess}  # fmt: skip
         if self.s.target_kl is not None:
@@ -210,7 +239,7 @@ class StalenessController:
         return Decision(bound, change, f"staleness bound {verb} {old} -> {bound}: {why}", signal)
 
     # -- checkpoint ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | float]:
         return {
             "bound": self.bound,
             "breaches": self.breaches,
@@ -218,13 +247,20 @@ class StalenessController:
             "relax_wait": self.relax_wait,
             "last": self.last,
             "changes": self.changes,
+            "floor_steps": self.floor_steps,
+            "floor_sum": self.floor_sum,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`; a bound over this run's `hard` is clamped to it. Raises
-        KeyError / TypeError / ValueError on a malformed state, changing nothing."""
-        values = {key: int(state[key]) for key in self.state_dict()}
+        KeyError / TypeError / ValueError on a malformed state, changing nothing. A state saved
+        before the lag-0 floor was kept starts the floor afresh."""
+        values: dict[str, int | float] = {key: int(state[key]) for key in _COUNTERS}
+        values["floor_steps"] = int(state.get("floor_steps", 0))
+        values["floor_sum"] = float(state.get("floor_sum", 0.0))
         if min(values["bound"], values["relax_wait"]) < 0 or values["last"] not in (-1, 0, 1):
+            raise ValueError(f"staleness control state out of range: {values}")
+        if not 0 <= values["floor_sum"] <= values["floor_steps"]:  # each step's ESS is in [0, 1]
             raise ValueError(f"staleness control state out of range: {values}")
         values["bound"] = min(values["bound"], self.s.hard)
         values["relax_wait"] = max(1, values["relax_wait"])
