@@ -83,8 +83,8 @@ class AsyncConfig:
     """max_staleness auto: which ESS by lag the controller reads. sequence: of the lag's
     untruncated sequence-level ratios π_learner(y|x) / π_behaviour(y|x)
     (`is/seq_ess_by_lag/<k>`, rows), the shift itself whatever the loss does about it; it
-    gets stricter with the response length and includes the engine/learner numerical mismatch
-    (`is/seq_ess_by_lag/0` shows that floor: one under target_ess holds the bound at 0).
+    gets stricter with the response length. Both signals are read over the mean lag-0 ESS
+    measured so far (the engine/learner numerical mismatch, which no bound changes).
     weights: of the IS weights the loss applies (`is/ess_by_lag/<k>`, tokens or sequences per
     algorithm.rollout_is_level); truncated, clipped or geometric-mean weights hide the shift
     (their ESS stays near 1), so use it with a higher target_ess or with target_kl."""

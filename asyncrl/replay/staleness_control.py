@@ -12,24 +12,32 @@ that hold at least `min_units` units. Which ESS (`signal`):
   Kong's effective sample size of the trajectory distribution the lag was drawn from, for an
   estimate under the policy being trained, so a target of 0.7 reads "a lag's groups must be
   worth at least 70 % of on-policy ones" (an unbiased estimate from them has at most 1/0.7
-  the variance); the same target means the same at every `rollout_is_level`. Its limits: it
-  grows stricter with the response length (the log-ratio's variance adds up over tokens), and
-  it includes the engine/learner numerical mismatch; `is/seq_ess_by_lag/0` shows that floor,
-  and a floor under the target holds the bound at 0.
+  the variance); the same target means the same at every `rollout_is_level`. Its limit: it grows
+  stricter with the response length (the log-ratio's variance adds up over tokens); the
+  numerical part of that is the floor below.
 - `weights`: `is/ess_by_lag/<k>` over `is/units_by_lag/<k>` units, the ESS of the IS weights
   the loss applies (tokens or sequences per `algorithm.rollout_is_level`): how much of a lag
   the correction keeps. Truncated, clipped and geometric-mean weights are built to hide the
   shift, so this ESS stays near 1 long after the policy has moved (`asyncrl bench premise`,
-  geometric IS truncated at 2: 0.97-0.99 at lag 4, where the sequence ratios' ESS is 0.4-0.95
-  and bound 4 trained 2.2 points under bound 2 over 6 seeds).
+  geometric IS truncated at 2: 0.97-0.99 at lag 4).
+
+The sequence ESS is the default because it is the one of the two that measures the shift, and
+its target has one meaning at every IS level; the 0.7 default is that meaning (variance at
+most 1/0.7 of on-policy), not a value fitted to a workload. What neither sees: a cost of
+staleness that is not variance. On `asyncrl bench premise` the sequence ratios' ESS at lag 4
+is 0.4-0.95 per step, 0.90-0.93 over a run (10 % more variance), yet bound 4 trains about 2
+points under bound 2 over 6 seeds: the loss there (geometric weights truncated at 2) does not
+apply the sequence ratios, so what it leaves uncorrected is a bias, which a target on the
+variance does not bound (`target_kl` is the knob for that).
 
 **The numerical floor.** Lag 0's ESS is what no bound changes: the engine's and the learner's
 numerics differ (bf16 kernels, another attention), and over long responses that alone can
 pull the sequence ratios' ESS far under any target. The controller keeps the mean lag-0 ESS
 it has measured (over steps with at least `min_units` lag-0 units; 1 before any) and reads
 each lag's ESS relative to it, min(1, ESS_k / floor): for a log-normal ratio the ESS is
-exp(-σ²) and independent log-ratio parts add their variances, so the ratio is the ESS of the
-staleness's own part. Lag-0 rows are common at the start of a run (bound 1, the first
+exp(-σ²), and if the numerical and the staleness parts of the log-ratio are independent their
+variances add, so the ratio is the ESS of the staleness's own part (an approximation: the
+floor is a mean over the rows and lengths lag 0 had). Lag-0 rows are common at the start of a run (bound 1, the first
 batches); a CPU run with the learner's own numerics in the engine has a floor of exactly 1.
 
 With a KL target (`target_kl`), each lag's mean per-token k3 KL between the behaviour and the
