@@ -20,6 +20,10 @@ data to matter, under each variant, over seeds:
                    weights): it stays 0.97-0.99 at every lag on this workload
   auto_kl          auto_weights, also tightened by a lag's per-token k3 KL over 0.01
                    (async.target_kl)
+  auto_bias        auto with target_ess 0.985 = 64/65, an experiment: the geometric weights
+                   apply almost none of a lag's sequence-level shift, so what they leave is a
+                   bias of relative size up to sqrt(χ²), χ² = 1/ESS - 1 (Cauchy-Schwarz), and
+                   holding it within the standard error of a 64-row batch's mean asks χ² <= 1/64
 
 Held-out accuracy is the mean of the last three evaluations (every 10 steps, 200 held-out
 prompts each) so one lucky evaluation does not decide a row. Each row has its standard error
@@ -72,8 +76,10 @@ VARIANTS: dict[str, list[str]] = {
     "auto_kl": ["async.max_staleness=auto", "async.max_staleness_hard=4", *VETO_IS,
                 "algorithm.rollout_is_level=geometric", "async.staleness_signal=weights",
                 "async.target_kl=0.01"],
+    "auto_bias": ["async.max_staleness=auto", "async.max_staleness_hard=4", *VETO_IS,
+                  "algorithm.rollout_is_level=geometric", "async.target_ess=0.985"],
 }  # fmt: skip
-AUTOS = ("auto", "auto_weights", "auto_kl")
+AUTOS = ("auto", "auto_weights", "auto_kl", "auto_bias")
 LAGS = range(1, 5)  # the lags whose per-token KL a run reports (max_staleness_hard 4)
 EVAL = ["logging.eval_interval=10", "logging.eval_size=200"]
 QUIET = ["logging.console=false", "logging.tensorboard=false", "logging.plots=false",
