@@ -128,7 +128,9 @@ def make_queue(cfg: Config) -> ReplayQueue:
     a = cfg.async_
     control = None
     if a.max_staleness == "auto":  # the controller's own defaults, as the docstring says
-        control = ControlSettings(a.max_staleness_hard, a.target_ess, a.target_kl)
+        control = ControlSettings(
+            a.max_staleness_hard, a.target_ess, a.target_kl, signal=a.staleness_signal
+        )
     tokens = None
     if a.max_inflight_tokens:
         tokens = TokenBudget(

@@ -14,17 +14,32 @@ data to matter, under each variant, over seeds:
   bound1/2_geometric  max_staleness 1 / 2, geometric-mean IS (with stale_geometric and sync: the
                    fixed bounds auto is measured against)
   correct          stale_policy correct: bound 2, groups up to 4 versions old trained, geometric
-  auto             max_staleness auto (0..4 by the IS ESS by lag), geometric
-  auto_kl          auto, also tightened by a lag's per-token k3 KL over 0.01 (async.target_kl):
-                   the geometric weights' ESS stays 0.97-0.99 at every lag on this workload
+  auto             max_staleness auto (0..4 by the ESS of the untruncated sequence ratios by
+                   lag, async.staleness_signal's default), geometric
+  auto_weights     auto steered by the geometric IS weights' own ESS by lag (staleness_signal
+                   weights): it stays 0.97-0.99 at every lag on this workload
+  auto_kl          auto_weights, also tightened by a lag's per-token k3 KL over 0.01
+                   (async.target_kl)
+  auto_bias        auto with target_ess 0.985 = 64/65, an experiment: the geometric weights
+                   apply almost none of a lag's sequence-level shift, so what they leave is a
+                   bias of relative size up to sqrt(χ²), χ² = 1/ESS - 1 (Cauchy-Schwarz), and
+                   holding it within the standard error of a 64-row batch's mean asks χ² <= 1/64
 
 Held-out accuracy is the mean of the last three evaluations (every 10 steps, 200 held-out
-prompts each) so one lucky evaluation does not decide a row. The search over learning rates
+prompts each) so one lucky evaluation does not decide a row. Each row has its standard error
+over seeds, and each auto variant its difference to the best fixed bound both paired by seed
+(the same seed: the same initial weights and prompt order) and unpaired, each with its
+standard error: a gap within about two of them is within the run-to-run noise. The search over learning rates
 (`--screen`: sync vs stale_uncorrected, one seed, at each `--screen-lrs`) is how the workload's
 learning rate was chosen; its table is part of the result.
 
     asyncrl bench premise [--smoke] [--seeds 0 1 2] [--lr 1e-4] [--variants sync,auto]
                           [--screen] [--parallel 2] [--name premise]
+                          [--reuse bench/results/premise_auto.json]
+
+`--reuse FILE` takes the recorded runs (same seeds, same lr and steps) of every variant not
+run now from an earlier result, so a changed variant is compared against the fixed bounds
+without rerunning them; the result names the file and its commit under `reused_from`.
 """
 
 from __future__ import annotations
@@ -56,10 +71,15 @@ VARIANTS: dict[str, list[str]] = {
                 "async.max_staleness_hard=4", *VETO_IS, "algorithm.rollout_is_level=geometric"],
     "auto": ["async.max_staleness=auto", "async.max_staleness_hard=4", *VETO_IS,
              "algorithm.rollout_is_level=geometric"],
+    "auto_weights": ["async.max_staleness=auto", "async.max_staleness_hard=4", *VETO_IS,
+                     "algorithm.rollout_is_level=geometric", "async.staleness_signal=weights"],
     "auto_kl": ["async.max_staleness=auto", "async.max_staleness_hard=4", *VETO_IS,
-                "algorithm.rollout_is_level=geometric", "async.target_kl=0.01"],
+                "algorithm.rollout_is_level=geometric", "async.staleness_signal=weights",
+                "async.target_kl=0.01"],
+    "auto_bias": ["async.max_staleness=auto", "async.max_staleness_hard=4", *VETO_IS,
+                  "algorithm.rollout_is_level=geometric", "async.target_ess=0.985"],
 }  # fmt: skip
-AUTOS = ("auto", "auto_kl")
+AUTOS = ("auto", "auto_weights", "auto_kl", "auto_bias")
 LAGS = range(1, 5)  # the lags whose per-token KL a run reports (max_staleness_hard 4)
 EVAL = ["logging.eval_interval=10", "logging.eval_size=200"]
 QUIET = ["logging.console=false", "logging.tensorboard=false", "logging.plots=false",
@@ -83,6 +103,7 @@ def one_run(variant: str, seed: int, lr: float, steps: int, out: Path, smoke: bo
     _, tps = series(metrics, "throughput/tokens_per_s")
     _, bound = series(metrics, "replay/staleness_bound")
     kl_by_lag = {lag: series(metrics, f"is/kl_by_lag/{lag}")[1] for lag in LAGS}
+    seq_ess = {lag: series(metrics, f"is/seq_ess_by_lag/{lag}")[1] for lag in LAGS}
     summary = {
         "variant": variant, "seed": seed, "lr": lr, "seconds": seconds,
         "eval_first": acc[0], "eval_last3": statistics.fmean(acc[-3:]), "eval_curve": acc,
@@ -90,6 +111,7 @@ def one_run(variant: str, seed: int, lr: float, steps: int, out: Path, smoke: bo
         "mismatch_kl_mean": statistics.fmean(kl) if kl else float("nan"),
         "tokens_per_s": statistics.fmean(tps[1:] or tps), "bound_curve": bound,
         "kl_by_lag": {lag: statistics.fmean(v) for lag, v in kl_by_lag.items() if v},
+        "seq_ess_by_lag": {lag: statistics.fmean(v) for lag, v in seq_ess.items() if v},
     }  # fmt: skip
     done.write_text(json.dumps(summary))
     return summary
@@ -132,8 +154,8 @@ def summarise(runs: list[dict]) -> list[dict[str, Any]]:
         if mine:
             accs = [r["eval_last3"] for r in mine]
             rows.append({
-                "variant": variant, "per_seed": accs, "mean": statistics.fmean(accs),
-                "min": min(accs), "staleness": statistics.fmean(r["staleness_mean"] for r in mine),
+                "variant": variant, "seeds": [r["seed"] for r in mine], "per_seed": accs,
+                "mean": statistics.fmean(accs), "se": std_error(accs), "min": min(accs), "staleness": statistics.fmean(r["staleness_mean"] for r in mine),
                 "mismatch_kl": statistics.fmean(r["mismatch_kl_mean"] for r in mine),
                 "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in mine),
             })  # fmt: skip
@@ -146,10 +168,30 @@ def summarise(runs: list[dict]) -> list[dict[str, Any]]:
 FIXED = ("sync", "bound1_geometric", "bound2_geometric", "stale_geometric")  # bounds 0, 1, 2, 4
 
 
+def std_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (sample sd / sqrt(n)); None under 2."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+
+
+def difference(a: dict, b: dict) -> dict[str, Any]:
+    """Row `a`'s accuracy minus row `b`'s in points: unpaired (the means, the standard error
+    of their difference) and paired by seed over the seeds both ran (mean and standard error of
+    the per-seed differences)."""
+    se_a, se_b = a["se"], b["se"]
+    unpaired = 100 * (a["mean"] - b["mean"])
+    se = 100 * (se_a**2 + se_b**2) ** 0.5 if se_a is not None and se_b is not None else None
+    theirs = dict(zip(b["seeds"], b["per_seed"], strict=True))
+    pairs = [100 * (acc - theirs[s]) for s, acc in zip(a["seeds"], a["per_seed"], strict=True)
+             if s in theirs]  # fmt: skip
+    return {"points": unpaired, "points_se": se, "paired_seeds": len(pairs),
+            "paired_points": statistics.fmean(pairs) if pairs else None,
+            "paired_points_se": std_error(pairs)}  # fmt: skip
+
+
 def verdicts(rows: list[dict]) -> dict[str, Any]:
-    """What the table says: the loss of uncorrected stale training to sync, and auto against
-    the fixed bound with the best held-out accuracy (target: >= 0.95x its tokens/s, accuracy
-    at most 1 point below it)."""
+    """What the table says: the loss of uncorrected stale training to sync, and each auto
+    variant against the fixed bound with the best held-out accuracy (target: >= 0.95x its
+    tokens/s, accuracy at most 1 point below it), with the gap's standard errors."""
     by = {r["variant"]: r for r in rows}
     out: dict[str, Any] = {}
     if "sync" in by and "stale_uncorrected" in by:
@@ -158,11 +200,31 @@ def verdicts(rows: list[dict]) -> dict[str, Any]:
     for name in (a for a in AUTOS if a in by and fixed):
         best = max(fixed, key=lambda r: r["mean"])
         ratio = by[name]["tokens_per_s"] / best["tokens_per_s"]
-        points = 100 * (by[name]["mean"] - best["mean"])
+        gap = difference(by[name], best)
         out[f"{name}_vs_best_fixed"] = {"best": best["variant"], "tokens_per_s_ratio": ratio,
-                                        "accuracy_points": points,
-                                        "met": ratio >= 0.95 and points >= -1.0}  # fmt: skip
+                                        "accuracy_points": gap["points"], **gap,
+                                        "met": ratio >= 0.95 and gap["points"] >= -1.0}  # fmt: skip
     return out
+
+
+def reused(path: Path, variants: list[str], seeds: list[int], lr: float, steps: int) -> list:
+    """The runs recorded in result `path` of the variants not in `variants` (by today's names),
+    at `seeds`, `lr` and `steps` (a result of another lr or length is refused: not
+    comparable)."""
+    recorded = json.loads(path.read_text())
+    if recorded.get("lr") != lr or recorded.get("steps") != steps:
+        raise SystemExit(f"--reuse {path}: lr {recorded.get('lr')}, {recorded.get('steps')} "
+                         f"steps; this run: lr {lr}, {steps} steps")  # fmt: skip
+    runs = [_renamed(r) for r in recorded["runs"] if r["seed"] in seeds]
+    return [r for r in runs if r["variant"] not in variants]
+
+
+def _renamed(run: dict) -> dict:
+    """A recorded run under its variant's name today: `auto` recorded before the learner
+    reported `is/seq_ess_by_lag` steered by the IS weights' ESS, today's `auto_weights`."""
+    if run["variant"] == "auto" and "seq_ess_by_lag" not in run:
+        return {**run, "variant": "auto_weights"}
+    return run
 
 
 def _plot(runs: list[dict]):
@@ -193,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         default="premise",
         help="the result's name (a subset of variants: not the whole table)",
     )
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="a recorded result whose other variants' runs join the table")  # fmt: skip
     parser.add_argument("--work", type=Path, default=None,
                         help="keep each run here and reuse finished ones (resume)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -216,19 +280,26 @@ def main(argv: list[str] | None = None) -> int:
                          for r in screen])  # fmt: skip
         jobs = [(v, s, args.lr) for v in variants for s in seeds]
         runs = run_grid(jobs, steps, args.parallel, args.smoke, work)
-    rows = summarise(runs)
+    reuse = reused(args.reuse, variants, seeds, args.lr, steps) if args.reuse else []
+    rows = summarise(runs + reuse)
     print_table(f"held-out accuracy, lr {args.lr}, {steps} steps, seeds {seeds}",
-                ["variant", "per seed", "mean", "vs sync pts", "staleness", "mismatch KL", "tok/s"],
-                [[r["variant"], " ".join(f"{a:.3f}" for a in r["per_seed"]), r["mean"],
+                ["variant", "per seed", "mean", "se", "vs sync pts", "staleness", "mismatch KL",
+                 "tok/s"],
+                [[r["variant"], " ".join(f"{a:.3f}" for a in r["per_seed"]), r["mean"], r["se"],
                   r["vs_sync_points"], r["staleness"], r["mismatch_kl"], r["tokens_per_s"]]
                  for r in rows])  # fmt: skip
     verdict = verdicts(rows)
     for key, value in verdict.items():
         print(f"{key}: {value}")
     heads = {f"{r['variant']}_accuracy": headline(r["mean"], True, "") for r in rows}
-    result = {"lr": args.lr, "steps": steps, "seeds": seeds, "rows": rows, "runs": runs,
+    result = {"lr": args.lr, "steps": steps, "seeds": seeds, "rows": rows, "runs": runs + reuse,
               "screen": screen, "verdicts": verdict, "headline": heads}  # fmt: skip
-    return finish(args.name, result, args, _plot(runs), argv, bench="premise")
+    if args.reuse:
+        recorded = json.loads(args.reuse.read_text())
+        result["reused_from"] = {"file": str(args.reuse), "commit": recorded.get("commit"),
+                                 "created": recorded.get("created"),
+                                 "variants": sorted({r["variant"] for r in reuse})}  # fmt: skip
+    return finish(args.name, result, args, _plot(runs + reuse), argv, bench="premise")
 
 
 if __name__ == "__main__":

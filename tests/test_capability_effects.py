@@ -144,7 +144,7 @@ def fingerprint(path: str, value: Any, models: dict[str, str]) -> dict[str, Any]
         cfg = load_config(None, overrides(path, value, models))
     except ConfigError:
         return None
-    groups = fixed_groups(cfg, models["policy"])
+    groups = 2 * fixed_groups(cfg, models["policy"])
     learner = build_learner(cfg, Path(models["policy"]))
     try:
         torch.manual_seed(0)
@@ -210,13 +210,14 @@ LONG_PROMPT = list(range(30, 94))  # prompt_length (64) tokens: each prompt a wo
 
 @pytest.fixture(scope="module")
 def stale_learner_metrics(models) -> list[dict[str, Any]]:
-    """Three steps of the run's learner on the fixed batch: sampled at its version (lag 0),
+    """Three steps of the run's learner on the fixed batch taken twice (12 rows: the sequence
+    ratios' ESS, auto's default signal, counts a lag from 8): sampled at its version (lag 0),
     then one version behind it, twice (lag 1; rollout logprobs far from the policy's, so the
-    IS weights' ESS is well below 1)."""
+    ESS is well below 1)."""
     from asyncrl.run import build_learner
 
     cfg = load_config(None, overrides("async.max_staleness", "auto", models))
-    groups = fixed_groups(cfg, models["policy"])
+    groups = 2 * fixed_groups(cfg, models["policy"])
     learner = build_learner(cfg, Path(models["policy"]))
 
     def sampled_at(version: int) -> list[Any]:
@@ -253,8 +254,8 @@ def admission_fingerprint(cfg: Any, learner_metrics: list[dict[str, Any]]) -> tu
 def test_staleness_and_token_budget_values_change_admission(models, stale_learner_metrics):
     """Every value of `async.max_staleness` (0, 1, 2, auto) and of `async.max_inflight_tokens`
     (off, on) makes the run's queue admit differently; auto moves its bound from the learner's
-    own `is/ess_by_lag` metrics (1 -> 0 here: lag 1's ESS misses the target twice)."""
-    assert any("is/ess_by_lag/1" in m for m in stale_learner_metrics)
+    own `is/seq_ess_by_lag` metrics (1 -> 0 here: lag 1's ESS misses the target twice)."""
+    assert any("is/seq_ess_by_lag/1" in m for m in stale_learner_metrics)
     seen = {}
     for dim in (d for d in cap.dimensions() if d.path in STALENESS):
         for value in dim.values:

@@ -260,8 +260,15 @@ def test_all_ranks_report_the_whole_batch(tmp_path):
                             logprobs=_logprobs(weights))  # fmt: skip
     assert got[0] == pytest.approx(whole)
     assert got[0]["is/ess_by_lag/0"] == pytest.approx(36 / (3 * 14))
-    metrics = ("ess", "units", "kl")
+    metrics = ("ess", "units", "kl", "seq_ess", "seq_units")
     assert set(got[0]) == {f"is/{m}_by_lag/{k}" for m in metrics for k in (0, 1, 3)}
+    # The untruncated sequence ratios Π(w + 0.1) over valid tokens: lag 0's largest is on
+    # rank 1 (3.1²), rank 0's on lag 0 is 2.1²; the MAX-then-SUM reduce gives the batch's ESS.
+    seq = [1.1**2, 2.1**2, 3.1**2]
+    assert got[0]["is/seq_ess_by_lag/0"] == pytest.approx(
+        sum(seq) ** 2 / (3 * sum(x * x for x in seq))
+    )
+    assert got[0]["is/seq_units_by_lag/0"] == 3.0 and got[0]["is/seq_ess_by_lag/3"] == 1.0
     k3 = lambda w: (w + 0.1) - math.log(w + 0.1) - 1  # noqa: E731 - exp(lr) - lr - 1
     assert got[0]["is/kl_by_lag/1"] == pytest.approx(k3(0.5))  # one valid token
     assert got[0]["is/kl_by_lag/3"] == pytest.approx((k3(1.0) + k3(0.0)) / 2)

@@ -4,8 +4,10 @@ the replay queue, the torch learner), shrunk: each config value has its effect i
 `async.max_inflight_tokens` at one batch's worst case holds the tokens in flight and buffered
 within it (and so fewer groups than the group budget of max_staleness would admit);
 `async.max_staleness: auto` with a target no stale group can meet (ESS 1.0: any update moves
-the IS weights off 1) tightens the bound from its start, 1, to 0 once lag-1 groups have missed
-it twice, logs the change in one line, and every group trained after that is fresh.
+the IS weights off 1; the IS weights' ESS, `async.staleness_signal: weights`, because this
+batch's 6 rows are fewer than the 8 the default sequence signal counts a lag from: that one
+is driven through the real learner in test_capability_effects.py) tightens the bound from
+its start, 1, to 0 once lag-1 groups have missed it twice, logs the change in one line, and every group trained after that is fresh.
 
     pytest -m slow tests/test_stale_controls_e2e.py"""
 
@@ -28,7 +30,8 @@ BUDGET = 2 * 3 * (8 + 6)
 def test_token_budget_and_auto_bound_in_the_real_loop(tiny_model, tmp_path, capsys):
     cfg = shrunk(
         tiny_model, tmp_path, "max_steps=6", "prompt_length=8", "async.max_staleness=auto",
-        "async.target_ess=1.0", f"async.max_inflight_tokens={BUDGET}", "logging.eval_interval=0",
+        "async.target_ess=1.0", "async.staleness_signal=weights", "logging.eval_interval=0",
+        f"async.max_inflight_tokens={BUDGET}",
     )  # fmt: skip
     run(cfg)
     rows = [r for r in read_rows(tmp_path) if r.get("version") is not None]
@@ -53,7 +56,9 @@ def test_token_budget_and_auto_bound_in_the_real_loop(tiny_model, tmp_path, caps
         r["replay/staleness_max"] for r in after
     ]
     out = capsys.readouterr().out
-    line = f"asyncrl: step {rows[changed]['step']}: staleness bound tightened 1 -> 0: IS ESS"
+    line = (
+        f"asyncrl: step {rows[changed]['step']}: staleness bound tightened 1 -> 0: IS weights' ESS"
+    )
     assert line in out and "target 1 for 2 step(s)" in out
     check_resume(cfg, tmp_path)
 

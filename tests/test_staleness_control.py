@@ -14,11 +14,15 @@ from asyncrl.types import TrajectoryGroup
 TARGET = 0.7
 
 
-def step(ess: dict[int, float] | None = None, units: int = 64) -> dict[str, float]:
-    """One learner step's metrics as `lag_metrics` names them (and some unrelated keys)."""
+def step(
+    ess: dict[int, float] | None = None, units: int = 64, signal: str = "sequence"
+) -> dict[str, float]:
+    """One learner step's metrics as `lag_metrics` names them (and some unrelated keys): the
+    ESS by lag of `signal` (the default: the sequence ratios')."""
     out = {"actor/pg_loss": 0.1, "mismatch/rollout_is_eff_sample_size": 0.9}
+    name = {"sequence": "seq_", "weights": ""}[signal]
     for lag, value in (ess or {}).items():
-        out[f"is/ess_by_lag/{lag}"], out[f"is/units_by_lag/{lag}"] = value, float(units)
+        out[f"is/{name}ess_by_lag/{lag}"], out[f"is/{name}units_by_lag/{lag}"] = value, units
     return out
 
 
@@ -49,7 +53,8 @@ def test_tightens_at_once_below_the_lowest_breaking_lag_after_k_steps():
     assert [d.bound for d in decisions] == [4, 2]  # one breaking step is not enough
     assert decisions[1].change == -2 and decisions[1].signal == 0.3
     assert decisions[1].reason == (
-        "staleness bound tightened 4 -> 2: IS ESS at lag 3 0.500 < target 0.7 for 2 step(s)"
+        "staleness bound tightened 4 -> 2: sequence-ratio ESS at lag 3 0.500 < target 0.7 for 2 "
+        "step(s)"
     )
     # a breach at a lag within the bound lowers it by at least one, down to 0
     ctl = controller(hard=4, start=1, tighten_after=1)
@@ -261,7 +266,7 @@ def test_the_lowest_lag_off_either_target_decides_and_relaxing_needs_both():
     ctl = controller(hard=3, start=1, relax_after=2, target_kl=0.01)
     relaxed = [ctl.observe(kl_step({1: 0.99}, {1: 0.005})) for _ in range(2)]
     assert [d.bound for d in relaxed] == [1, 2]
-    assert relaxed[1].reason.endswith("(lowest ESS 0.990, ESS target 0.7, KL target 0.01)")
+    assert relaxed[1].reason.endswith("(lowest ESS 0.990, sequence ESS target 0.7, KL target 0.01)")
 
 
 def test_kl_is_read_for_admitted_lags_with_enough_units_only():
@@ -283,3 +288,70 @@ def test_target_kl_is_checked_where_it_is_set():
         load_config(None, ["async.max_staleness=2", "async.target_kl=0.01"])
     q = make_queue(load_config(None, [*auto, "async.target_kl=0.02"]))
     assert q.controller.s.target_kl == 0.02  # what the run's queue steers by
+
+
+# -- which ESS is read (`async.staleness_signal`) ---------------------------------------------
+def test_the_default_reads_the_sequence_ratios_and_weights_the_loss_weights():
+    """The premise workload's picture: geometric-mean weights keep an ESS of 0.98 at lag 4
+    while the sequence ratios' ESS is 0.4; each signal reads its own keys only."""
+    both = {**step({1: 0.98, 4: 0.98}, signal="weights"), **step({1: 0.95, 4: 0.4})}
+    ctl = controller(hard=4, start=4, tighten_after=2)
+    decisions = [ctl.observe(both) for _ in range(2)]
+    assert [d.bound for d in decisions] == [4, 3] and decisions[1].signal == 0.4
+    assert "sequence-ratio ESS at lag 4 0.400 < target 0.7" in decisions[1].reason
+    weights = controller(hard=4, start=4, tighten_after=2, signal="weights")
+    assert set(run(weights, [both] * 6)) == {4}
+    assert weights.observe(both).signal == 0.98
+    assert run(controller(start=2, tighten_after=1), [step({2: 0.1}, signal="weights")]) == [2]
+
+
+def test_each_signal_counts_its_own_units():
+    # sequence: rows (`is/seq_units_by_lag`); weights: tokens or rows per IS level
+    few_rows = {**step({2: 0.1}, units=7), **step({2: 0.9}, units=500, signal="weights")}
+    few_rows["is/units_by_lag/2"] = 500.0
+    assert run(controller(start=2, tighten_after=1, min_units=8), [few_rows]) == [2]
+    weights = controller(start=2, tighten_after=1, min_units=8, signal="weights")
+    assert run(weights, [{**few_rows, "is/ess_by_lag/2": 0.1}]) == [1]
+
+
+def test_staleness_signal_reaches_the_controller_and_is_checked():
+    with pytest.raises(ValueError, match="signal must be one of"):
+        ControlSettings(4, TARGET, signal="token")
+    auto = ["async.max_staleness=auto"]
+    assert make_queue(load_config(None, auto)).controller.s.signal == "sequence"
+    q = make_queue(load_config(None, [*auto, "async.staleness_signal=weights"]))
+    assert q.controller.s.signal == "weights"
+    with pytest.raises(ConfigError, match="async.staleness_signal: 'tokens' is not one of"):
+        load_config(None, [*auto, "async.staleness_signal=tokens"])
+    with pytest.raises(ConfigError, match=r"async.staleness_signal steers max_staleness: auto"):
+        load_config(None, ["async.max_staleness=2", "async.staleness_signal=weights"])
+
+
+def test_lags_are_read_over_the_lag0_floor_no_bound_changes():
+    """Engine/learner numerics alone give lag 0 an ESS of 0.5 (long responses): lag 1 at 0.4
+    is 0.8 of that, on target; without the floor every bound would look off target."""
+    ctl = controller(hard=4, start=1, tighten_after=1, relax_after=2)
+    decisions = [ctl.observe(step({0: 0.5, 1: 0.4})) for _ in range(2)]
+    assert ctl.floor == pytest.approx(0.5) and [d.bound for d in decisions] == [1, 2]
+    assert decisions[1].signal == pytest.approx(0.8)
+    broken = ctl.observe(step({1: 0.4, 2: 0.3}))  # 0.6 of the floor at lag 2: off target
+    assert broken.bound == 1 and "over lag 0's 0.500 at lag 2 0.600 < target 0.7" in broken.reason
+    # the floor is the mean of the lag-0 ESS measured so far; too few units or NaN: not read
+    for ess, units in ((0.9, 64), (0.1, 7), (float("nan"), 64)):
+        ctl.observe(step({0: ess}, units=units))
+    assert ctl.floor == pytest.approx((0.5 + 0.5 + 0.9) / 3)
+    assert controller().floor == 1.0  # nothing measured: the ESS as it is
+
+
+def test_the_floor_round_trips_and_an_older_state_starts_it_afresh():
+    ctl = controller(tighten_after=1)
+    run(ctl, [step({0: 0.6, 1: 0.9})] * 3)
+    back = controller(tighten_after=1)
+    back.load_state_dict(ctl.state_dict())
+    assert back.floor == pytest.approx(0.6) and back.state_dict() == ctl.state_dict()
+    older = {k: v for k, v in ctl.state_dict().items() if not k.startswith("floor")}
+    fresh = controller(tighten_after=1)
+    fresh.load_state_dict(older)
+    assert fresh.floor == 1.0 and fresh.bound == ctl.bound
+    with pytest.raises(ValueError, match="out of range"):
+        controller().load_state_dict({**ctl.state_dict(), "floor_sum": 5.0})

@@ -336,7 +336,7 @@ def lag_sums(
     """
     check_same_shape(weights=weights, mask=mask)
     check_choice("rollout_is_level", level, IS_LEVELS)
-    _check_lags(lags, weights.shape[0])
+    check_lags(lags, weights.shape[0])
     valid = mask.bool()
     kept = torch.where(valid, weights.detach().to(torch.float64), 0.0)
     if level == "token":
@@ -351,7 +351,7 @@ def lag_sums(
     return torch.zeros(size, 3, dtype=torch.float64).index_add_(0, unit_lag, columns)
 
 
-def _check_lags(lags: torch.Tensor, rows: int) -> None:
+def check_lags(lags: torch.Tensor, rows: int) -> None:
     """One staleness per row, none negative (ValueError in one line otherwise)."""
     if tuple(lags.shape) != (rows,):
         raise ValueError(
@@ -371,7 +371,7 @@ def kl_lag_sums(
     the two policies agree; its mean over a lag's tokens is how far the policy has moved from
     the one that generated that lag's tokens (plus the engine's numerical mismatch)."""
     check_same_shape(old=old, rollout=rollout, mask=mask)
-    _check_lags(lags, old.shape[0])
+    check_lags(lags, old.shape[0])
     valid = mask.bool()
     lr = (old.detach().to(torch.float64) - rollout.detach().to(torch.float64))[valid]
     lr = lr.clamp(max=mm.METRIC_LOG_BOUND)

@@ -26,14 +26,20 @@ def staleness_ceiling(cfg: Config) -> int:
 
 
 def check_auto_staleness(cfg: Config) -> None:
-    """`max_staleness: auto` steers by the IS weights' ESS by lag, which the learner computes
-    only with rollout IS on and a recomputed proximal policy (bypass's weights are all 1)."""
+    """`max_staleness: auto` steers by an ESS by lag (of the sequence ratios or of the IS
+    weights) that the learner computes only with rollout IS on and a recomputed proximal
+    policy (in bypass the proximal policy is the behaviour: every ratio is 1)."""
     a, alg = cfg.async_, cfg.algorithm
     if a.max_staleness != "auto":
         if a.target_kl is not None:
             raise ConfigError(
                 f"async.target_kl steers max_staleness: auto, but the bound is fixed at "
                 f"{a.max_staleness}: set max_staleness: auto, or target_kl: null"
+            )
+        if a.staleness_signal != "sequence":
+            raise ConfigError(
+                f"async.staleness_signal steers max_staleness: auto, but the bound is fixed at "
+                f"{a.max_staleness}: set max_staleness: auto, or leave staleness_signal unset"
             )
         return
     if a.max_staleness_hard < 1:
@@ -47,8 +53,8 @@ def check_auto_staleness(cfg: Config) -> None:
         raise ConfigError(f"async.target_kl must be > 0 (null: the ESS alone), got {a.target_kl}")
     if alg.rollout_is_threshold is None or alg.correction_mode == "bypass":
         raise ConfigError(
-            "async.max_staleness: auto steers by the rollout IS weights' ESS by lag, which this "
-            "config does not compute: set algorithm.rollout_is_threshold and "
+            "async.max_staleness: auto steers by the ESS by lag the learner reports with "
+            "rollout IS, which this config does not compute: set algorithm.rollout_is_threshold and "
             "algorithm.correction_mode: decoupled, or give max_staleness a number"
         )
 

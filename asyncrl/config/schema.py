@@ -49,9 +49,9 @@ class AsyncConfig:
     max_staleness: int | Literal["auto"] = 1
     """Most versions a trained-on group may lag the learner; 0 is the synchronous loop. auto:
     the bound moves between 0 and max_staleness_hard by what the learner measures on trained
-    groups: it starts at 1, drops at once below the lowest lag whose rollout IS effective
-    sample size (`is/ess_by_lag/<k>`) stayed under target_ess (or, with target_kl, whose KL
-    stayed above it) for 2 steps, and rises by one
+    groups: it starts at 1, drops at once below the lowest lag whose effective sample size
+    (staleness_signal) stayed under target_ess (or, with target_kl, whose KL stayed above
+    it) for 2 steps, and rises by one
     after 4 steps with every admitted lag on target (a rise that fails doubles the next wait,
     up to 32 steps). Each change is one `asyncrl: step N: staleness bound ...` line with its
     reason and the `replay/staleness_bound` metric; the controller is checkpointed. Needs the
@@ -76,10 +76,18 @@ class AsyncConfig:
     """stale_policy correct: groups staler than this are still evicted (>= max_staleness);
     max_staleness auto: the highest bound the controller may set (>= 1)."""
     target_ess: float = 0.7
-    """max_staleness auto: the normalised IS effective sample size, in (0, 1], every admitted
-    lag must keep (units per algorithm.rollout_is_level: token-level weights stay near 1 far
-    longer than sequence-level ones, so set it higher there). A lag counts once it holds 8
-    units in a step."""
+    """max_staleness auto: the normalised effective sample size, in (0, 1], every admitted
+    lag must keep (of staleness_signal; a lag counts once it holds 8 units in a step). With
+    the sequence signal, 0.7: a lag's groups are worth at least 70 % of on-policy ones."""
+    staleness_signal: Literal["sequence", "weights"] = "sequence"
+    """max_staleness auto: which ESS by lag the controller reads. sequence: of the lag's
+    untruncated sequence-level ratios π_learner(y|x) / π_behaviour(y|x)
+    (`is/seq_ess_by_lag/<k>`, rows), the shift itself whatever the loss does about it; it
+    gets stricter with the response length. Both signals are read over the mean lag-0 ESS
+    measured so far (the engine/learner numerical mismatch, which no bound changes).
+    weights: of the IS weights the loss applies (`is/ess_by_lag/<k>`, tokens or sequences per
+    algorithm.rollout_is_level); truncated, clipped or geometric-mean weights hide the shift
+    (their ESS stays near 1), so use it with a higher target_ess or with target_kl."""
     target_kl: float | None = None
     """max_staleness auto: also tighten when an admitted lag's mean per-token k3 KL between
     the policy that generated its tokens and the learner's (`is/kl_by_lag/<k>`, logged) is

@@ -11,8 +11,9 @@ Per-step values (what happened at this step):
   `sync/seconds`, `mismatch/mismatch_kl`, `mismatch/rollout_is_eff_sample_size`,
   `replay/staleness_mean`, `replay/staleness_max`, `is/ess_by_lag/<k>` (normalised ESS of the
   rollout IS weights of the sequences k versions stale), `is/units_by_lag/<k>` (the tokens
-  or sequences it is over) and `is/kl_by_lag/<k>` (their mean per-token k3 KL between the
-  policy that generated them and the learner's).
+  or sequences it is over), `is/kl_by_lag/<k>` (their mean per-token k3 KL between the
+  policy that generated them and the learner's) and `is/seq_ess_by_lag/<k>` over
+  `is/seq_units_by_lag/<k>` rows (the normalised ESS of their untruncated sequence ratios).
 
 Staleness histogram, two accepted forms (the first wins when both appear in a run):
   `replay/staleness_hist/<k>`: groups trained *at this step* with staleness k (per-step counts;
