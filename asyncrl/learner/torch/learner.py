@@ -76,7 +76,7 @@ class TorchLearner(TorchLearnerState):
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
         self.rank, self.world_size = rank, world_size
-        policy = load_policy(model_path, train.model_args, device, world_size)
+        policy = load_policy(model_path, train.model_args, device, world_size, actor)
         self.model, self.sync_dtype, self.lora = policy.model, policy.sync_dtype, policy.lora
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
