@@ -125,3 +125,9 @@ def test_its_export_is_what_transformers_model_exports(tiny_model, tmp_path, mon
     for (name, p), (_, q) in zip(back.named_parameters(), lean_learner.model.named_parameters(),
                                  strict=True):  # fmt: skip
         torch.testing.assert_close(p, q, msg=name)
+
+
+def test_a_model_with_dropout_keeps_transformers_model(tmp_path):
+    """transformers applies attention dropout inline in training; this forward does not."""
+    _llama(attention_dropout=0.1).save_pretrained(tmp_path)
+    assert lean_policy.lean_policy(tmp_path, torch.float32) is None

@@ -14,7 +14,8 @@ load into it in place (`weights.py`), kept versions are deep copies of it (`lane
 `tests/test_lean_model.py` holds its logits to transformers' forward. Anything this does not
 build exactly (another architecture or activation, a sliding window, rope scaling, quantised
 or sharded-in-pickle weights, names that differ from the layout below) gives None, and the
-server loads the model with transformers (`server.load_engine`).
+server loads the model with transformers (`server.load_engine`). The CPU learner reads its policy
+the same way (`learner/torch/lean_policy.py`: a subclass with transformers' training forward).
 """
 
 from __future__ import annotations

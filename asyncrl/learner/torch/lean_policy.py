@@ -15,7 +15,7 @@ Its forward is the padded path's: `input_ids`, an optional padding `attention_ma
 reads) and `logits_to_keep`; the logits are transformers' (`tests/test_lean_policy.py` holds
 logits, hidden states and gradients to its forward). Packed forwards, LoRA, activation
 checkpointing, a chosen attention implementation, torch.compile, several ranks or an accelerator
-keep transformers' model (`why_not`).
+keep transformers' model (`why_not`), as does a model with dropout (`lean_policy`).
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ def lean_policy(path: str | Path, dtype: torch.dtype) -> torch.nn.Module | None:
     does not build it exactly."""
     from transformers import AutoConfig, GenerationConfig
 
+    from asyncrl.learner.logprobs import has_dropout
+
     model = lean_model(path, dtype, "cpu", cls=LeanCausalLM)
     if model is None:
         return None
@@ -128,7 +130,10 @@ def lean_policy(path: str | Path, dtype: torch.dtype) -> torch.nn.Module | None:
         model.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:  # no generation_config.json: transformers' model has a default one
         model.generation_config = GenerationConfig.from_model_config(model.config)
-    if (why := llama.unsupported(model)) is not None:  # with transformers' config now
+    # with transformers' config now; dropout: transformers applies attention dropout inline
+    # in training, this forward does not
+    why = llama.unsupported(model) or ("dropout" if has_dropout(model) else None)
+    if why is not None:
         log.info("learner: transformers loads the model (%s)", why)
         return None
     log.info("learner: the policy is read without transformers' modeling code")
