@@ -17,6 +17,7 @@ from test_shared_prompt import _groups, _learner, _tensors, full
 
 from asyncrl.learner import lean
 from asyncrl.learner import logprobs as lp
+from asyncrl.learner.torch import lean_policy
 
 
 def _model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -82,8 +83,12 @@ def test_the_learner_takes_the_lean_forward_only_where_it_may(tiny_model):
     assert lean.lean_shared_logits_for(hooked) is None
 
 
-def test_a_lean_learner_step_equals_transformers_step(tiny_model):
-    lean_learner, hf_learner = _learner(tiny_model), _learner(tiny_model)
+def test_a_lean_learner_step_equals_transformers_step(tiny_model, monkeypatch):
+    lean_learner = _learner(tiny_model)
+    # transformers' model and forward (the policy read without its modeling code has no KV
+    # cache to hand `shared_prompt_logits`: tests/test_lean_policy.py)
+    monkeypatch.setattr(lean_policy, "why_not", lambda *args: "transformers' model asked for")
+    hf_learner = _learner(tiny_model)
     hf_learner.logits_fn = lp.shared_prompt_logits
     for seed in (0, 1):  # two steps: the second on the weights the first produced
         a, b = lean_learner.step(_groups(seed)), hf_learner.step(_groups(seed))

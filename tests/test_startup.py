@@ -240,3 +240,30 @@ def test_driver_threads_are_refused_where_workers_run_beside_engines_on_the_node
     ]
     with pytest.raises(ConfigError, match="rollout.worker_pool 'driver' with cluster.address"):
         load_config(None, [*cluster, "rollout.worker_pool=driver"])
+
+
+# The CPU default's driver, from `import asyncrl.run` to a built learner and its first step, in a
+# fresh process: what it must not import (each was seconds of the driver's start-up CPU).
+DRIVER_IMPORTS = """
+import sys
+from pathlib import Path
+import asyncrl.run as run_module
+from asyncrl.config import load_config
+late = ("transformers.modeling_utils", "matplotlib", "torch.nn.attention.varlen", "ray")
+print("import", *[m for m in late if m in sys.modules])
+cfg = load_config(None, ["rollout.worker_pool=process"])
+learner = run_module.build_learner(cfg, Path(sys.argv[1]))
+print("build", type(learner.model).__name__, *[m for m in late if m in sys.modules])
+"""
+
+
+def test_the_cpu_default_driver_builds_its_learner_without_transformers_modeling(tiny_model):
+    """`import asyncrl.run` imports neither transformers' modeling code, matplotlib (the plots
+    at exit), torch's varlen kernel nor Ray; the CPU default's learner reads its policy without
+    transformers' modeling code (`learner/torch/lean_policy.py`: its modeling, masking and loss
+    modules pull in torch._inductor, scipy and accelerate)."""
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER_IMPORTS, str(tiny_model)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert out.stdout.splitlines()[-2:] == ["import", "build LeanCausalLM"], out.stdout

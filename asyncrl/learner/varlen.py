@@ -22,6 +22,7 @@ path (`enable` says why not).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -42,22 +43,22 @@ CU_SEQ = "cu_seq_lens_q"
 MAX_LEN = "max_length_q"
 
 
-def _flash_varlen() -> Any:
+@functools.cache
+def _kernel() -> tuple[Any, set[str], dict[str, Any] | None]:
+    """torch's flash varlen kernel, its parameter names, and how it is asked for causal
+    attention (its keyword moved between torch releases; None: neither, or no kernel, so it is
+    not taken). Looked up at the first CUDA half-precision forward, not at import: its module
+    imports torch._dynamo (seconds of CPU), which a CPU learner never needs."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
-        return None
-    return varlen_attn
-
-
-_VARLEN = _flash_varlen()
-_VARLEN_PARAMS = set(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else set()
-#: How the kernel is asked for causal attention (its keyword moved between torch releases);
-#: None: neither, so the kernel is not taken.
-_CAUSAL: dict[str, Any] | None = (
-    {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS
-    else {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else None
-)  # fmt: skip
+        return None, set(), None
+    params = set(inspect.signature(varlen_attn).parameters)
+    causal = (
+        {"window_size": (-1, 0)} if "window_size" in params
+        else {"is_causal": True} if "is_causal" in params else None
+    )  # fmt: skip
+    return varlen_attn, params, causal
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -152,12 +153,12 @@ def attention_forward(
 
 
 def _flash_ok(query: torch.Tensor, dropout: float) -> bool:
-    # _CAUSAL is None without the kernel (no parameters read)
+    # the kernel's causal keyword is None without the kernel (no parameters read)
     return (
-        _CAUSAL is not None
-        and query.is_cuda
+        query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and dropout == 0.0
+        and _kernel()[2] is not None
     )
 
 
@@ -165,16 +166,17 @@ def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: Any
 ) -> torch.Tensor:
     """torch's flash varlen kernel on [T, H, D] layouts -> [T, H, D]."""
+    kernel, params, causal = _kernel()
     q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
-    if "enable_gqa" in _VARLEN_PARAMS:
+    if "enable_gqa" in params:
         extra: dict[str, Any] = {"enable_gqa": q.shape[1] != k.shape[1]}
     else:  # K/V heads repeated for the query heads (transformers' `repeat_kv` order)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         extra = {}
-    extra.update(_CAUSAL or {})
+    extra.update(causal or {})
     cu = cu.to(device=q.device, dtype=torch.int32)
-    return _VARLEN(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
+    return kernel(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
 
 
 def per_sequence(

@@ -14,7 +14,8 @@ load into it in place (`weights.py`), kept versions are deep copies of it (`lane
 `tests/test_lean_model.py` holds its logits to transformers' forward. Anything this does not
 build exactly (another architecture or activation, a sliding window, rope scaling, quantised
 or sharded-in-pickle weights, names that differ from the layout below) gives None, and the
-server loads the model with transformers (`server.load_engine`).
+server loads the model with transformers (`server.load_engine`). The CPU learner reads its policy
+the same way (`learner/torch/lean_policy.py`: a subclass with transformers' training forward).
 """
 
 from __future__ import annotations
@@ -38,30 +39,33 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def lean_model(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> nn.Module | None:
-    """The checkpoint at `path` as plain torch modules in `dtype` on `device`, or None (why is
-    logged) when it is not one this module builds exactly."""
-    path = Path(path)
+def lean_model(
+    path: str | Path, dtype: torch.dtype, device: str = "cpu", cls: type[CausalLM] | None = None
+) -> nn.Module | None:
+    """The checkpoint at `path` as plain torch modules in `dtype` on `device` (a `cls`, by
+    default `CausalLM`: the learner's subclass adds a training forward), or None (why is logged)
+    when it is not one this module builds exactly."""
+    path, who = Path(path), "hf engine" if cls is None else "learner"
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
-        log.info("hf engine: transformers loads the model (config.json: %s)", e)
+        log.info("%s: transformers loads the model (config.json: %s)", who, e)
         return None
     if (why := _refused(cfg, path)) is not None:
-        log.info("hf engine: transformers loads the model (%s)", why)
+        log.info("%s: transformers loads the model (%s)", who, why)
         return None
     c = _config(cfg)
     with torch.device("meta"):  # no initialisation: every parameter comes from the file
-        model = CausalLM(c)
+        model = (cls or CausalLM)(c)
     if (why := _load(model, _read_weights(path))) is not None:
-        log.info("hf engine: transformers loads the model (%s)", why)
+        log.info("%s: transformers loads the model (%s)", who, why)
         return None
     model = model.to(dtype=dtype)
     # transformers computes the inverse frequencies in fp32 and keeps them so (a buffer)
     model.model.rotary_emb.inv_freq = inv_freq(c.head_dim, c.rope_theta)
     model = model.to(device)
     if (why := llama.unsupported(model)) is not None:  # the decoder must take it, or no lean
-        log.info("hf engine: transformers loads the model (%s)", why)
+        log.info("%s: transformers loads the model (%s)", who, why)
         return None
     model.generation_config = _generation_config(path)
     return model.eval()

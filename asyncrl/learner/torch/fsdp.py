@@ -364,6 +364,9 @@ def save_full(
 
 
 def _own_class_name(model: torch.nn.Module) -> str:
+    """transformers' class of `model` (FSDP2 subclasses it; the lean policy names its own)."""
+    if named := getattr(model, "hf_class_name", None):
+        return named
     from torch.distributed.fsdp import FSDPModule
 
     return next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))

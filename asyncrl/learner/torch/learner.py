@@ -62,7 +62,7 @@ class TorchLearner(TorchLearnerState):
         critic: WorkerConfig | None = None,
         critic_total_steps: int | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from asyncrl.data.tokenizer import model_tokenizer
 
         # Before the model loads: a gae run without a critic fails at once
         obj.check_learner_side(algorithm, critic is not None, world_size)
@@ -76,9 +76,11 @@ class TorchLearner(TorchLearnerState):
         self.train, self.actor, self.algorithm = train, actor, algorithm
         self.temperature, self.device, self.version = temperature, device, 0
         self.rank, self.world_size = rank, world_size
-        policy = load_policy(model_path, train.model_args, device, world_size)
+        policy = load_policy(model_path, train.model_args, device, world_size, actor)
         self.model, self.sync_dtype, self.lora = policy.model, policy.sync_dtype, policy.lora
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # the tokenizer the driver's prompts are encoded with (transformers 5's AutoTokenizer
+        # would rebuild the embedded model's as a byte-level Qwen2Tokenizer: ~1 s of CPU)
+        tokenizer = model_tokenizer(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.reference = load_reference(self.reference_spec, policy, device) if uses_ref else None
         spec = self.reference_spec

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config.schema import ModelArgs
+from asyncrl.config.schema import ActorConfig, ModelArgs
 from asyncrl.device import torch_dtype
 from asyncrl.learner import lora
 from asyncrl.learner.reference import ReferenceSpec, frozen
-from asyncrl.learner.torch import fsdp
+from asyncrl.learner.torch import fsdp, lean_policy
 
 
 @dataclass(frozen=True)
@@ -30,16 +30,26 @@ class Policy:
     """Whether only a LoRA adapter trains."""
 
 
-def load_policy(model_path: str | Path, args: ModelArgs, device: str, world_size: int) -> Policy:
-    """The policy per `args` (actor_train's `model_args`); the caller seeds torch first (a
-    fresh adapter's A is random)."""
-    from transformers import AutoModelForCausalLM
-
+def load_policy(
+    model_path: str | Path,
+    args: ModelArgs,
+    device: str,
+    world_size: int,
+    actor: ActorConfig | None = None,
+) -> Policy:
+    """The policy per `args` (actor_train's `model_args`): read without transformers' modeling
+    code where `lean_policy.why_not` takes it for `actor`'s forwards, else transformers'. The
+    caller seeds torch first (a fresh adapter's A is random)."""
     dtype = torch_dtype(args.dtype or "fp32")
-    attn = {"attn_implementation": a} if (a := args.attn_implementation) else {}
     master = fsdp.master_dtype(dtype, device, world_size)  # fp32 under mixed precision
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master, **attn)
-    model.to(device)
+    lean = actor is not None and lean_policy.why_not(args, actor, device, world_size) is None
+    model = lean_policy.lean_policy(model_path, master) if lean else None
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        attn = {"attn_implementation": a} if (a := args.attn_implementation) else {}
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master, **attn)
+        model.to(device)
     if args.actor_checkpointing():
         # transformers 5 renamed it; the old name (all that 4.x has) warns there
         enable = getattr(model, "activation_checkpointing_enable", None)
