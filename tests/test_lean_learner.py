@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import random_qwen2
 from test_decoder import _llama
-from test_shared_prompt import _groups, _learner, _tensors, full
+from test_shared_prompt import _learner, _tensors, assert_same_steps, full
 
 from asyncrl.learner import lean
 from asyncrl.learner import logprobs as lp
@@ -90,10 +90,5 @@ def test_a_lean_learner_step_equals_transformers_step(tiny_model, monkeypatch):
     monkeypatch.setattr(lean_policy, "why_not", lambda *args: "transformers' model asked for")
     hf_learner = _learner(tiny_model)
     hf_learner.logits_fn = lp.shared_prompt_logits
-    for seed in (0, 1):  # two steps: the second on the weights the first produced
-        a, b = lean_learner.step(_groups(seed)), hf_learner.step(_groups(seed))
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
-    for p, q in zip(lean_learner.model.parameters(), hf_learner.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    a = assert_same_steps(lean_learner, hf_learner)
     assert np.isfinite(a["actor/grad_norm"])

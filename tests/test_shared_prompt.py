@@ -37,6 +37,18 @@ def _groups(seed: int = 0) -> list[TrajectoryGroup]:
     return out
 
 
+def assert_same_steps(a, b, seeds=(0, 1)) -> dict:
+    """Learners `a` and `b` take the same steps (the second on the weights the first produced):
+    equal metrics and weights. Returns `a`'s last metrics."""
+    for seed in seeds:
+        ma, mb = a.step(_groups(seed)), b.step(_groups(seed))
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
+            assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-7), key
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    return ma
+
+
 def full(logits: lp.Logits) -> torch.Tensor:
     """The whole [..., V] fp32 logits of what a `LogitsFn` returns (a `Projection` or them)."""
     return logits.logits() if isinstance(logits, Projection) else logits
