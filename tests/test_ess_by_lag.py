@@ -25,6 +25,7 @@ from asyncrl.algo.importance import (
     lag_sums,
 )
 from asyncrl.config.schema import AlgorithmConfig
+from asyncrl.learner import lag_metrics as lm
 from asyncrl.learner import objective as obj
 from asyncrl.learner.collate import collate
 from asyncrl.metrics.batch import BatchMetrics
@@ -88,7 +89,7 @@ def test_sequence_lags_take_the_oldest_generated_token():
             [NG, NG, NG],  # nothing generated: 0
         ]
     )
-    assert obj.sequence_lags(versions, 6).tolist() == [2, 3, 0, 0]
+    assert lm.sequence_lags(versions, 6).tolist() == [2, 3, 0, 0]
 
 
 def _groups() -> list[TrajectoryGroup]:
@@ -108,7 +109,7 @@ def test_lag_split_matches_the_staleness_histogram():
     groups = _groups()
     batch = collate(groups).to_torch("cpu")
     version = 7  # the learner's version while it trains on them
-    lags = obj.sequence_lags(batch["versions"], version)
+    lags = lm.sequence_lags(batch["versions"], version)
     assert lags.tolist() == [0, 0, 2, 2, 1, 1]
     hist = {
         int(k.rsplit("/", 1)[1]): v
@@ -218,7 +219,7 @@ def _rank(rank: int, init: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     weights, mask, lags = _shards()[rank]
-    got = obj.lag_metrics(weights, mask, lags, "sequence", True, _logprobs(weights))
+    got = lm.lag_metrics(weights, mask, lags, "sequence", True, _logprobs(weights))
     Path(out, f"rank{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 
@@ -256,7 +257,7 @@ def test_all_ranks_report_the_whole_batch(tmp_path):
     # and lag 3 (the mean of (1, 0) over both valid tokens: 0.5) are one sequence each.
     (w0, m0, l0), (w1, m1, l1) = _shards()
     weights = torch.cat((w0, w1))
-    whole = obj.lag_metrics(weights, torch.cat((m0, m1)), torch.cat((l0, l1)), "sequence",
+    whole = lm.lag_metrics(weights, torch.cat((m0, m1)), torch.cat((l0, l1)), "sequence",
                             logprobs=_logprobs(weights))  # fmt: skip
     assert got[0] == pytest.approx(whole)
     assert got[0]["is/ess_by_lag/0"] == pytest.approx(36 / (3 * 14))

@@ -1,9 +1,9 @@
 """The adaptive staleness bound (`async.max_staleness: auto`): a small controller that moves
 the bound between 0 and `max_staleness_hard` from what the learner measured on trained groups.
 
-**The signal** is a normalised effective sample size by staleness (`learner/objective.py:
-lag_metrics`), read for the lags `1 .. bound` the bound admits (lag 0's mismatch is numerical,
-which no bound changes; lags past the bound are stragglers the stale policy admitted earlier)
+**The signal** is a normalised effective sample size by staleness (`learner/lag_metrics.py`),
+read for the lags `1 .. bound` the bound admits (lag 0's mismatch is numerical, which no bound
+changes; lags past the bound are stragglers the stale policy admitted earlier)
 that hold at least `min_units` units. Which ESS (`signal`):
 
 - `sequence` (the default): `is/seq_ess_by_lag/<k>` over `is/seq_units_by_lag/<k>` rows, the
@@ -70,7 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: The learner's per-lag metric names (`learner/objective.py:lag_metrics`).
+#: The learner's per-lag metric names (`learner/lag_metrics.py`).
 ESS_PREFIX, UNITS_PREFIX, KL_PREFIX = "is/ess_by_lag/", "is/units_by_lag/", "is/kl_by_lag/"
 SEQ_ESS_PREFIX, SEQ_UNITS_PREFIX = "is/seq_ess_by_lag/", "is/seq_units_by_lag/"
 #: signal -> (the ESS metric's prefix, its units' prefix)

@@ -37,6 +37,7 @@ from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.device import DeviceSpec, detect_device, prepare_megatron_imports
 from asyncrl.learner.collate import collate
+from asyncrl.learner.lag_metrics import sequence_lags
 from asyncrl.learner.megatron.args import check_experts, check_options, plan
 from asyncrl.learner.megatron.batch import right_align, schedule_micro, shard_rows
 from asyncrl.learner.megatron.build import (
@@ -66,7 +67,6 @@ from asyncrl.learner.objective import (
     micro_share,
     objective,
     rollout_is_settings,
-    sequence_lags,
 )
 
 

@@ -23,9 +23,9 @@ from asyncrl.algo.importance import select_old_log_prob
 from asyncrl.algo.losses import get_policy_loss
 from asyncrl.config.plan import mini_batches, step_size
 from asyncrl.config.schema import ActorConfig, AlgorithmConfig, WorkerConfig
+from asyncrl.learner import lag_metrics, packing, routing
 from asyncrl.learner import logprobs as lp
 from asyncrl.learner import objective as obj
-from asyncrl.learner import packing, routing
 from asyncrl.learner.collate import collate
 from asyncrl.learner.compile import maybe_compile
 from asyncrl.learner.critic import Critic, value_metrics
@@ -181,7 +181,7 @@ class TorchLearner(TorchLearnerState):
         step's whole-batch (or, sharded, whole-shard) call: with several ranks it is a
         collective every rank makes. `metrics` False: the weights alone (a micro-batch's)."""
         loss_mode, mask = self.actor.policy_loss.loss_mode, data["response_mask"]
-        by_lag = obj.sequence_lags(data["versions"], self.version) if lags else None
+        by_lag = lag_metrics.sequence_lags(data["versions"], self.version) if lags else None
         return obj.correct(self.algorithm, self.rollout_is, loss_mode, old, rollout, mask,
                            by_lag, all_ranks=self.world_size > 1, metrics=metrics)  # fmt: skip
 
