@@ -50,6 +50,12 @@ class LeanCausalLM(CausalLM):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     @property
+    def hf_class_name(self) -> str:
+        """transformers' class the export names (`fsdp.save_full`): the config's own, which
+        `lean_model` checked it builds."""
+        return self.config.architectures[0]
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
@@ -124,7 +130,6 @@ def lean_policy(path: str | Path, dtype: torch.dtype) -> torch.nn.Module | None:
     if model is None:
         return None
     model.config = AutoConfig.from_pretrained(path)  # transformers' config: read, saved as is
-    model.hf_class_name = model.config.architectures[0]  # the export's (`lean_model` checked)
     model.config.dtype = dtype
     try:
         model.generation_config = GenerationConfig.from_pretrained(path)
