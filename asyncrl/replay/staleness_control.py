@@ -192,17 +192,21 @@ class StalenessController:
         """The mean lag-0 ESS measured so far (1.0 before any; see the module doc)."""
         return self.floor_sum / self.floor_steps if self.floor_steps else 1.0
 
-    def _relative(self, metrics: Mapping[str, Any]) -> dict[int, float]:
-        """This step's admitted lags' ESS over the floor (after adding lag 0's, if measured)."""
+    def _add_floor(self, metrics: Mapping[str, Any]) -> None:
+        """Count this step's lag-0 ESS into the floor, when it was measured over enough units."""
         ess, units = SIGNALS[self.s.signal]
         lag0 = metrics.get(f"{ess}0")
         if (metrics.get(f"{units}0", 0) or 0) >= self.s.min_units and _finite(lag0) and lag0 > 0:
             self.floor_sum, self.floor_steps = self.floor_sum + min(1.0, lag0), self.floor_steps + 1
+
+    def _relative(self, metrics: Mapping[str, Any]) -> dict[int, float]:
+        """This step's admitted lags' ESS over the floor."""
         measured = stale_ess(metrics, self.bound, self.s.min_units, self.s.signal)
         return {lag: min(1.0, value / self.floor) for lag, value in measured.items()}
 
     def observe(self, metrics: Mapping[str, Any]) -> Decision:
         """One learner step's metrics in; the bound (changed or not) out."""
+        self._add_floor(metrics)
         ess = self._relative(metrics)
         signal = min(ess.values(), default=None)
         broken = self._broken(ess, metrics)
